@@ -1,0 +1,76 @@
+"""spardl: sparse gradient allreduce over MPI (SparDL, Ok-Topk and the published peers).
+
+>>> import spardl
+>>> ar = spardl.make("spardl", comm, n, density=0.01)      # doctest: +SKIP
+>>> out = ar(grad)                                           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from .algorithms import Allreducer, NonFiniteError
+from .algorithms.dense import Dense
+from .comm import Comm, name_hash
+from .result import SparseResult
+
+__version__ = "0.1.0"
+
+#: Algorithm name -> class. Every class takes (comm, n, **options); see :func:`make`.
+ALGORITHMS: dict[str, type[Allreducer]] = {
+    "dense": Dense,
+}
+
+
+def make(algorithm: str, comm, n: int, **options) -> Allreducer:
+    """Create an allreducer: collective over ``comm`` (every rank calls it with the same arguments).
+
+    Parameters
+    ----------
+    algorithm : str
+        A key of :data:`ALGORITHMS`: "spardl", "oktopk", "topka", "topkdsa", "gtopk",
+        "gaussiank" or "dense".
+    comm : mpi4py.MPI.Intracomm
+        The communicator (duplicated inside). P = ``comm.Get_size()``.
+    n : int
+        Gradient length.
+    **options
+        ``density``, ``op``, ``residual``, ``nonfinite``, ``check`` and the algorithm's own
+        options (e.g. ``teams`` for SparDL); see each class.
+
+    Returns
+    -------
+    Allreducer
+        Call it on this rank's gradient to get a :class:`SparseResult`.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, if the algorithm is unknown, an argument is invalid on any rank, or the
+        ranks disagree (different n, density, algorithm or options).
+    """
+    cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    if cls is not None:
+        return cls(comm, n, **options)
+    c = comm if isinstance(comm, Comm) else Comm(comm)
+    err = ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    # Same collective sequence as a constructor, so ranks that did name a known algorithm
+    # fail with this rank instead of waiting for it.
+    Allreducer.collective_check(
+        _Unknown(c), err, [name_hash(repr(algorithm))], {"algorithm": repr(algorithm)}
+    )
+    raise err  # pragma: no cover - collective_check raised
+
+
+class _Unknown:
+    def __init__(self, comm):
+        self.comm = comm
+
+
+__all__ = [
+    "ALGORITHMS",
+    "Allreducer",
+    "Comm",
+    "NonFiniteError",
+    "SparseResult",
+    "make",
+    "__version__",
+]

@@ -1,0 +1,369 @@
+"""What every allreducer shares: argument checks on every rank, the cross-rank consistency check,
+error feedback bookkeeping, the op (mean or sum), non-finite handling, statistics and checkpoints.
+
+A subclass implements one method, :meth:`Allreducer._reduce`, which reads like its paper: it gets
+this rank's accumulated gradient X = g + E_old and returns the summed sparse result and this rank's
+new residual E_new.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..comm import Comm, name_hash
+from ..result import SparseResult
+
+__all__ = ["Allreducer", "Reduced", "NonFiniteError", "budget"]
+
+VALUE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+SIGNATURE_LEN = 7
+OPS = ("mean", "sum")
+RESIDUALS = ("global", "local", "none")
+NONFINITE = ("raise", "skip", "propagate")
+
+
+class NonFiniteError(ValueError):
+    """A gradient held NaN or Inf; raised on every rank, and the step is not applied."""
+
+
+def budget(density: float, n: int) -> int:
+    """k = ⌊ρ·n⌋, at least 1 and at most n.
+
+    Parameters
+    ----------
+    density : float
+        ρ, in (0, 1].
+    n : int
+        Vector length, ≥ 1.
+
+    Returns
+    -------
+    int
+        The number of entries to select. A relative tolerance of 1e-9 absorbs the rounding of
+        ρ·n (0.01·1000 must give 10, never 9).
+    """
+    return int(min(n, max(1, math.floor(density * n * (1 + 1e-9)))))
+
+
+@dataclass
+class Reduced:
+    """What :meth:`Allreducer._reduce` returns.
+
+    indices : int64 array, ascending, identical on every rank
+    values : work-dtype array, the SUM over ranks at ``indices``, identical on every rank
+    residual : work-dtype array of shape (n,), this rank's new residual E_new
+    """
+
+    indices: np.ndarray
+    values: np.ndarray
+    residual: np.ndarray
+
+
+def _work_dtype(dtype: np.dtype) -> np.dtype:
+    # float16 sums overflow at 65504: accumulate in float32, round once at the end.
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
+def _dtype_code(dtype) -> int:
+    return {"float16": 1, "float32": 2, "float64": 3}.get(str(dtype), 0)
+
+
+def _float_bits(x: float) -> int:
+    return int(np.array([x], dtype=np.float64).view(np.int64)[0])
+
+
+class Allreducer:
+    """Base class of every sparse (and the dense) allreduce.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm or spardl.comm.Comm
+        The communicator; P = its size. Duplicated, so messages never mix with the caller's.
+    n : int
+        Gradient length, ≥ 1, the same on every rank.
+    density : float, default 0.01
+        ρ in (0, 1]; k = max(1, ⌊ρ·n⌋).
+    op : {"mean", "sum"}, default "mean"
+        The reduction.
+    residual : {"global", "local", "none"}, default "global"
+        Error feedback. "global": nothing is lost (the conservation invariant of DESIGN.md §4);
+        "local": a rank forgets what it sent even if it was dropped downstream (an ablation);
+        "none": no error feedback at all.
+    nonfinite : {"raise", "skip", "propagate"}, default "raise"
+        What to do when the reduced gradient holds NaN or Inf: raise :class:`NonFiniteError` on
+        every rank (the step is not applied, residuals unchanged), drop the step on every rank
+        (an empty result, counted in ``stats["skipped_steps"]``), or return it as it is.
+    check : bool, default True
+        Run the cross-rank consistency check on every call (one small allreduce). Without it a
+        call with mismatched arguments across ranks may hang.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, if any rank's arguments are invalid or the ranks disagree.
+    """
+
+    name = "base"
+    #: Whether the conservation invariant holds with residual="global".
+    conserves = True
+    #: Options a subclass accepts, with defaults.
+    options: dict = {}
+
+    def __init__(self, comm, n, *, density=0.01, op="mean", residual="global",
+                 nonfinite="raise", check=True, **options):
+        self.comm = comm if isinstance(comm, Comm) else Comm(comm)
+        self.P = self.comm.size
+        self.rank = self.comm.rank
+        err = None
+        try:
+            self._validate_common(n, density, op, residual, nonfinite, check)
+            self.n = int(n)
+            self.density = float(density)
+            self.op = op
+            self.residual_mode = residual
+            self.nonfinite = nonfinite
+            self.check = bool(check)
+            self.k = budget(self.density, self.n)
+            unknown = set(options) - set(self.options)
+            if unknown:
+                raise TypeError(
+                    f"{self.name}: unknown option(s) {sorted(unknown)}; "
+                    f"accepted: {sorted(self.options)}"
+                )
+            self.opts = {**self.options, **options}
+            self._setup()
+        except (TypeError, ValueError) as e:
+            err = e
+        described = {
+            "algorithm": self.name,
+            "n": n,
+            "density": density,
+            "op": op,
+            "residual": residual,
+            "options": repr(sorted(options.items())),
+        }
+        sig = [
+            name_hash(self.name),
+            _safe_int(n),
+            _float_bits(density) if isinstance(density, (int, float)) else -1,
+            name_hash(f"{op}|{residual}|{nonfinite}|{check}"),
+            name_hash(described["options"]),
+        ]
+        self.collective_check(err, sig, described)
+        self.step = 0
+        self._calls = 0
+        self._dtype = None
+        self._residual = None
+        stats = self.comm.stats
+        stats.setdefault("skipped_steps", 0)
+        stats.setdefault("steps", 0)
+
+    # -- hooks for subclasses ---------------------------------------------------------------
+    def _setup(self) -> None:
+        """Validate ``self.opts`` and precompute what does not depend on data."""
+
+    def _reduce(self, x: np.ndarray) -> Reduced:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    def _load_extra_state(self, state: dict) -> None:
+        pass
+
+    # -- validation -------------------------------------------------------------------------
+    def _validate_common(self, n, density, op, residual, nonfinite, check):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"n must be an integer, got {type(n).__name__}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if isinstance(density, bool) or not isinstance(density, (int, float, np.floating)):
+            raise TypeError(f"density must be a float, got {type(density).__name__}")
+        if not (0 < density <= 1) or math.isnan(density):
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        if residual not in RESIDUALS:
+            raise ValueError(f"residual must be one of {RESIDUALS}, got {residual!r}")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        if not isinstance(check, bool):
+            raise TypeError(f"check must be a bool, got {type(check).__name__}")
+
+    def collective_check(self, err, signature, described) -> None:
+        """Raise on every rank if any rank failed locally or the ranks disagree.
+
+        One small allreduce when everything is fine; on failure, one more (an all-gather of
+        the error reports) so that every rank can name the argument and the ranks involved.
+        """
+        sig = list(signature)[:SIGNATURE_LEN]
+        sig += [0] * (SIGNATURE_LEN - len(sig))
+        ok, same = self.comm.agree(err is None, sig)
+        if ok and same:
+            return
+        reports = self.comm.allgather_object(
+            (None if err is None else (type(err).__name__, str(err)), described)
+        )
+        if err is not None:
+            raise err
+        if not ok:
+            bad = [(r, rep[0]) for r, rep in enumerate(reports) if rep[0] is not None]
+            r, (kind, msg) = bad[0]
+            raise ValueError(f"rank {r} rejected its arguments ({kind}: {msg})")
+        descs = [rep[1] for rep in reports]
+        diffs = [
+            f"{key}: " + ", ".join(f"rank {r}={d.get(key)!r}" for r, d in enumerate(descs))
+            for key in descs[0]
+            if any(d.get(key) != descs[0].get(key) for d in descs)
+        ]
+        raise ValueError("ranks disagree on " + "; ".join(diffs or ["the call sequence"]))
+
+    def _as_vector(self, grad) -> np.ndarray:
+        if hasattr(grad, "__cuda_array_interface__"):
+            raise TypeError("grad is a GPU array; this allreducer runs on CPU arrays")
+        try:
+            g = np.asarray(grad)
+        except Exception as e:  # noqa: BLE001 - anything NumPy cannot view is a type error
+            raise TypeError(f"grad must be a 1-D array, got {type(grad).__name__}") from e
+        if g.ndim != 1:
+            raise ValueError(f"grad must be 1-D, got shape {g.shape}")
+        if g.dtype not in VALUE_DTYPES:
+            raise TypeError(f"grad dtype must be float16, float32 or float64, got {g.dtype}")
+        if g.shape[0] != self.n:
+            raise ValueError(f"grad has length {g.shape[0]}, expected n={self.n}")
+        if self._dtype is not None and g.dtype != self._dtype:
+            raise TypeError(f"grad dtype changed from {self._dtype} to {g.dtype}")
+        return g
+
+    # -- the call ---------------------------------------------------------------------------
+    def __call__(self, grad) -> SparseResult:
+        """Reduce this rank's gradient with every other rank's.
+
+        Parameters
+        ----------
+        grad : array of shape (n,), float16, float32 or float64
+            This rank's gradient (NumPy, or anything NumPy views without a copy).
+
+        Returns
+        -------
+        SparseResult
+            Identical on every rank: the mean (or sum) over ranks of what was selected.
+
+        Raises
+        ------
+        ValueError, TypeError
+            On every rank, if any rank's ``grad`` is invalid or the ranks' calls disagree.
+        NonFiniteError
+            With ``nonfinite="raise"``, on every rank when the reduced values are not finite.
+        """
+        err = None
+        g = None
+        try:
+            g = self._as_vector(grad)
+        except (TypeError, ValueError) as e:
+            err = e
+        self._calls += 1
+        dtype = None if g is None else g.dtype
+        if self.check:
+            self.collective_check(
+                err,
+                [name_hash(self.name), self.n, _dtype_code(dtype), self._calls],
+                {"grad dtype": str(dtype), "n": self.n, "algorithm": self.name,
+                 "call number": self._calls},
+            )
+        elif err is not None:
+            raise err
+        if self._dtype is None:
+            self._dtype = g.dtype
+            self._residual = np.zeros(self.n, dtype=_work_dtype(g.dtype))
+        x = g.astype(self._residual.dtype, copy=True)
+        if self.residual_mode != "none":
+            x += self._residual  # X = g + E_old
+        red = self._reduce(x)
+        stats = self.comm.stats
+        self.comm.next_step()
+        if self.nonfinite != "propagate" and not np.all(np.isfinite(red.values)):
+            if self.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"{self.name}: the reduced gradient holds NaN or Inf at step {self.step}; "
+                    "the step was not applied (residuals unchanged)"
+                )
+            stats["skipped_steps"] += 1
+            return SparseResult(
+                np.empty(0, np.int64), np.empty(0, self._dtype), self.n
+            )
+        if self.residual_mode != "none":
+            self._residual = red.residual
+        self.step += 1
+        stats["steps"] += 1
+        values = red.values
+        if self.op == "mean" and self.P > 1:
+            values = values / values.dtype.type(self.P)
+        return SparseResult(red.indices, values.astype(self._dtype, copy=False), self.n)
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def residual(self) -> np.ndarray:
+        """This rank's residual E after the last call: shape (n,), float32 for float16 gradients."""
+        if self._residual is None:
+            return np.zeros(self.n, dtype=np.float32)
+        return self._residual
+
+    @property
+    def stats(self) -> dict:
+        """Cumulative counters: messages, bytes_sent, bytes_received, control_messages, phases."""
+        return self.comm.stats
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: residual, counters and the algorithm's own state."""
+        return {
+            "algorithm": self.name,
+            "n": self.n,
+            "world_size": self.P,
+            "rank": self.rank,
+            "density": self.density,
+            "step": self.step,
+            "calls": self._calls,
+            "dtype": None if self._dtype is None else str(self._dtype),
+            "residual": None if self._residual is None else self._residual.copy(),
+            "extra": self._extra_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output; the next call continues bit for bit.
+
+        Raises
+        ------
+        ValueError
+            If the state comes from another algorithm, n, world size or rank.
+        """
+        for key, mine in (("algorithm", self.name), ("n", self.n), ("world_size", self.P),
+                          ("rank", self.rank)):
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"state was saved with {key}={state.get(key)!r}, this allreducer has {mine!r}"
+                )
+        self.step = int(state["step"])
+        self._calls = int(state["calls"])
+        self._dtype = None if state["dtype"] is None else np.dtype(state["dtype"])
+        res = state["residual"]
+        if res is not None and (res.shape != (self.n,)):
+            raise ValueError(f"state residual has shape {res.shape}, expected ({self.n},)")
+        self._residual = None if res is None else np.array(res, copy=True)
+        self._load_extra_state(state.get("extra", {}))
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(P={self.P}, n={getattr(self, 'n', '?')}, "
+            f"density={getattr(self, 'density', '?')}, op={getattr(self, 'op', '?')!r})"
+        )
+
+
+def _safe_int(v) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError, OverflowError):
+        return -1

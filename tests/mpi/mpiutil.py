@@ -1,0 +1,46 @@
+"""Helpers for the collective tests: gathering results and checking them on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+
+def gather_all(comm, obj):
+    """Every rank's object, on every rank."""
+    return comm.allgather(obj)
+
+
+def assert_identical_everywhere(comm, result):
+    """The sparse result is bit-identical on every rank."""
+    mine = (result.indices.tobytes(), result.values.tobytes(), result.n)
+    everyone = comm.allgather(mine)
+    for r, other in enumerate(everyone):
+        assert other == mine, f"rank {comm.rank} and rank {r} hold different results"
+
+
+def grads_for(comm, n, dtype, seed, kind="normal"):
+    """Every rank's gradient (rank r gets stream seed + r), on every rank, as a list."""
+    out = []
+    for r in range(comm.size):
+        rng = np.random.default_rng(seed * 1000 + r)
+        if kind == "normal":
+            g = rng.standard_normal(n)
+        elif kind == "heavy":
+            g = rng.standard_t(2, n) * (rng.random(n) < 0.5)
+        else:
+            raise ValueError(kind)
+        out.append(g.astype(dtype))
+    return out
+
+
+def conservation_error(comm, x_local, out_dense, residual_new, op):
+    """max |Σ_r X_r − P·out − Σ_r E_r,new| relative to max |Σ_r X_r| (float64 sums)."""
+    P = comm.size
+    sx = np.zeros(len(x_local), np.float64)
+    comm.Allreduce(np.asarray(x_local, np.float64), sx, op=MPI.SUM)
+    se = np.zeros(len(x_local), np.float64)
+    comm.Allreduce(np.asarray(residual_new, np.float64), se, op=MPI.SUM)
+    scale = P if op == "mean" else 1
+    diff = sx - scale * np.asarray(out_dense, np.float64) - se
+    return float(np.max(np.abs(diff), initial=0.0) / max(np.max(np.abs(sx), initial=0.0), 1e-30))
