@@ -7,9 +7,13 @@ which the outer runner (tests/test_mpi.py) shows.
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from mpi4py import MPI
+
+# tests/ holds the NumPy references (naive.py, ref_*.py) shared with the single-process tests.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def pytest_configure(config):
