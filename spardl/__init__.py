@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .algorithms import Allreducer, NonFiniteError
 from .algorithms.dense import Dense
-from .comm import Comm, name_hash
+from .comm import Comm, abort_on_exception, name_hash
 from .result import SparseResult
 
 __version__ = "0.1.0"
@@ -69,6 +69,7 @@ __all__ = [
     "ALGORITHMS",
     "Allreducer",
     "Comm",
+    "abort_on_exception",
     "NonFiniteError",
     "SparseResult",
     "make",

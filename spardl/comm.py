@@ -258,6 +258,21 @@ class Comm:
         self._acct.received(nrecv)
         return recv[:nrecv]
 
+    def send_bytes(self, buf: np.ndarray, dest: int, tag: int = 0) -> None:
+        """One-way send of a byte buffer to ``dest`` (tree algorithms: a child to its parent)."""
+        buf = np.ascontiguousarray(buf, dtype=np.uint8)
+        self.mpi.Send([buf, MPI.BYTE], dest, tag)
+        self._acct.sent(buf.nbytes, dest, "p2p")
+
+    def recv_bytes(self, source: int, capacity: int, tag: int = 0) -> np.ndarray:
+        """Receive at most ``capacity`` bytes from ``source``; the size is read from the status."""
+        recv = np.empty(max(int(capacity), 1), dtype=np.uint8)
+        status = MPI.Status()
+        self.mpi.Recv([recv, MPI.BYTE], source, tag, status=status)
+        nrecv = status.Get_count(MPI.BYTE)
+        self._acct.received(nrecv)
+        return recv[:nrecv]
+
     def exchange_blocks(self, dest, send_blocks, send_starts, source, recv_starts, max_pairs,
                         index_dtype, value_dtype, tag: int = 0):
         """One packed sparse message each way: send blocks to ``dest``, receive from ``source``.
@@ -382,3 +397,32 @@ class Comm:
 def name_hash(name: str) -> int:
     """A stable 31-bit hash of a string, for signatures compared across ranks."""
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+@contextlib.contextmanager
+def abort_on_exception(comm, code: int = 1):
+    """End the whole job if this rank raises: print the traceback, then ``MPI_Abort``.
+
+    An exception on one rank in the middle of a collective otherwise leaves every other rank
+    waiting forever. Wrap the training loop (``with spardl.abort_on_exception(comm): ...``), or
+    run the script as ``mpiexec -n P python -m mpi4py script.py``, which does the same for
+    unhandled exceptions.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm or Comm
+        The communicator to abort (all of its processes end).
+    code : int, default 1
+        The exit status passed to ``MPI_Abort``.
+    """
+    try:
+        yield
+    except BaseException:
+        import sys
+        import traceback
+
+        rank = comm.rank if isinstance(comm, Comm) else comm.Get_rank()
+        sys.stderr.write(f"spardl: rank {rank} failed; aborting every rank\n")
+        traceback.print_exc()
+        sys.stderr.flush()
+        (comm.mpi if isinstance(comm, Comm) else comm).Abort(code)
