@@ -1,0 +1,319 @@
+"""GPU benchmark of the CUDA kernels (spardl_kernels.cuda) beside torch on the same GPU.
+
+One script, one GPU, a few minutes: every kernel at n = 25,000,000 and 110,000,000 float32
+(density 1%), next to ``torch.topk``, ``torch.nonzero`` and a device-to-device copy of the same
+bytes. Times are CUDA-event medians after warm-up (the first call of each kernel compiles it
+and is never timed). Writes a JSON file and prints one table with the ratios behind the goals:
+
+* ``select_above`` reads x at >= 50% of the copy bandwidth
+  (bandwidth = bytes of x read once / time; copy = bytes read + written / time);
+* ``topk_abs`` takes <= 1.0x the time of ``torch.topk(x.abs(), k, sorted=False)``.
+
+Usage (see docs/perf-gpu.md)::
+
+    python bench/gpu.py results/gpu.json
+    python bench/gpu.py out.json --sizes 1000000 --repeats 3     # a quick smoke run
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+KERNELS = [
+    "copy",
+    "topk_abs",
+    "kth_largest_abs",
+    "select_above",
+    "count_above",
+    "estimate_threshold",
+    "merge_add",
+    "coalesce",
+    "scatter_add",
+    "gather",
+    "uniform_bounds",
+    "balanced_bounds",
+    "block_offsets",
+    "spardl_step",
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Benchmark the CUDA kernels of spardl_kernels beside torch on one GPU.",
+    )
+    p.add_argument("json_path", help="where to write the results (JSON)")
+    p.add_argument(
+        "--sizes",
+        default="25000000,110000000",
+        help="comma-separated vector lengths n (default: %(default)s)",
+    )
+    p.add_argument("--density", type=float, default=0.01, help="rho, k = rho * n (default 0.01)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per row (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per row (>= 1: compile)")
+    p.add_argument(
+        "--kernels",
+        default=",".join(KERNELS),
+        help="comma-separated subset of: " + ", ".join(KERNELS),
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="stop starting new rows after this many seconds (default %(default)s: the whole "
+        "run fits in 8 minutes)",
+    )
+    p.add_argument("--P", type=int, default=64, help="blocks for the bounds kernels (default 64)")
+    args = p.parse_args(argv)
+    try:
+        args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--sizes: expected comma-separated integers, got {args.sizes!r}")
+    if not args.sizes or min(args.sizes) < 1:
+        p.error("--sizes: every n must be >= 1")
+    if not 0.0 < args.density <= 1.0:
+        p.error("--density: must lie in (0, 1]")
+    if args.repeats < 1 or args.warmup < 1:
+        p.error("--repeats and --warmup must be >= 1")
+    args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = sorted(set(args.kernels) - set(KERNELS))
+    if unknown:
+        p.error(f"--kernels: unknown {unknown}; choose from {KERNELS}")
+    if args.P < 1:
+        p.error("--P: must be >= 1")
+    return args
+
+
+class Timer:
+    """CUDA-event timing of a callable on the current stream: warm-up, then a median.
+
+    Numba launches on the legacy default stream, the same stream torch uses by default, so
+    events recorded by torch bracket the kernels of both.
+    """
+
+    def __init__(self, torch, warmup, repeats):
+        self.torch = torch
+        self.warmup = warmup
+        self.repeats = repeats
+
+    def __call__(self, fn):
+        torch = self.torch
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            stop = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        return statistics.median(times)
+
+
+def run(args):
+    import numpy as np
+    import torch
+    from numba import cuda
+
+    if not torch.cuda.is_available() or not cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA GPU visible to both torch and numba-cuda")
+    import spardl_kernels.cuda  # noqa: F401 - fails early, with its message, without CUDA
+
+    timer = Timer(torch, args.warmup, args.repeats)
+    t_start = time.monotonic()
+    rows, notes = [], []
+
+    def row(n, kernel, ms, peer=None, peer_ms=None, goal=None, met=None, **extra):
+        r = {"n": n, "kernel": kernel, "median_ms": ms, "peer": peer, "peer_ms": peer_ms,
+             "ratio": (ms / peer_ms) if (peer_ms and ms is not None) else None,
+             "goal": goal, "met": met}
+        r.update(extra)
+        rows.append(r)
+        print(f"  {kernel:<20s} n={n:>11,d}  {ms if ms is not None else float('nan'):9.3f} ms"
+              + (f"  vs {peer} {peer_ms:9.3f} ms  ratio {r['ratio']:.2f}" if peer_ms else ""),
+              flush=True)
+
+    for n in args.sizes:
+        _one_size(n, args, timer, row, notes, t_start)
+        torch.cuda.empty_cache()
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "density": args.density,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "config": _config(),
+        "rows": rows,
+        "notes": notes,
+        "wall_s": time.monotonic() - t_start,
+    }
+
+
+def _one_size(n, args, timer, row, notes, t_start):
+    """Every requested row at one vector length n."""
+    import torch
+    from numba import cuda
+
+    import spardl_kernels.cuda as gk
+
+    dev = torch.device("cuda")
+    k = max(1, int(args.density * n))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    # gradient-like: normal values with a heavy tail of larger magnitudes
+    x = torch.randn(n, device=dev, generator=gen) * torch.exp(
+        torch.randn(n, device=dev, generator=gen)
+    )
+    xd = cuda.as_cuda_array(x)
+    bytes_x = x.element_size() * n
+    out = {}
+
+    def want(name):
+        if name not in args.kernels:
+            return False
+        if time.monotonic() - t_start > args.budget_s:
+            notes.append(f"n={n} {name}: skipped, time budget of {args.budget_s} s spent")
+            return False
+        return True
+
+    copy_ms = None
+    if want("copy") or "select_above" in args.kernels:
+        dst = torch.empty_like(x)
+        copy_ms = timer(lambda dst=dst: dst.copy_(x))
+        copy_gbs = 2 * bytes_x / copy_ms / 1e6
+        row(n, "copy", copy_ms, bandwidth_GBps=copy_gbs)
+        del dst
+    torch_topk_ms = timer(lambda: torch.topk(x.abs(), k, sorted=False))
+    if want("topk_abs"):
+        ms = timer(lambda: gk.topk_abs(xd, k))
+        idx, vals = gk.topk_abs(xd, k)
+        tv = torch.topk(x.abs(), k, sorted=False).values
+        ok = bool(
+            torch.as_tensor(vals, device=dev).abs().min().item() == tv.min().item()
+        )
+        row(n, "topk_abs", ms, "torch.topk(|x|)", torch_topk_ms, "ratio <= 1.0",
+            ms <= torch_topk_ms, threshold_matches_torch=ok)
+        out["topk"] = (idx, vals)
+    thr = float(gk.kth_largest_abs(xd, k))
+    if want("kth_largest_abs"):
+        ms = timer(lambda: gk.kth_largest_abs(xd, k))
+        row(n, "kth_largest_abs", ms, "torch.topk(|x|)", torch_topk_ms)
+    if want("select_above"):
+        nz_ms = timer(lambda: torch.nonzero(x.abs() >= thr))
+        ms = timer(lambda: gk.select_above(xd, thr))
+        gbs = bytes_x / ms / 1e6
+        frac = gbs / copy_gbs
+        row(n, "select_above", ms, "torch.nonzero(|x|>=t)", nz_ms,
+            "read bandwidth >= 50% of copy", frac >= 0.5, bandwidth_GBps=gbs,
+            fraction_of_copy_bandwidth=frac)
+    if want("count_above"):
+        peer = timer(lambda: (x.abs() >= thr).sum().item())
+        ms = timer(lambda: gk.count_above(xd, thr))
+        row(n, "count_above", ms, "(|x|>=t).sum()", peer, bandwidth_GBps=bytes_x / ms / 1e6)
+    if want("estimate_threshold"):
+        ms = timer(lambda: gk.estimate_threshold(xd, k))
+        est = gk.estimate_threshold(xd, k)
+        row(n, "estimate_threshold", ms, "torch.topk(|x|)", torch_topk_ms,
+            relative_error=abs(est / thr - 1.0) if thr else None)
+    # two sparse vectors of k entries each, as two ranks' selections
+    ia, va = out.get("topk") or gk.topk_abs(xd, k)
+    y = torch.roll(x, 12345)
+    ib, vb = gk.topk_abs(cuda.as_cuda_array(y), k)
+    if want("merge_add"):
+        ms = timer(lambda: gk.merge_add(ia, va, ib, vb))
+        row(n, "merge_add", ms, entries=2 * k)
+    if want("coalesce"):
+        cat_i = torch.cat([torch.as_tensor(ib, device=dev), torch.as_tensor(ia, device=dev)])
+        cat_v = torch.cat([torch.as_tensor(vb, device=dev), torch.as_tensor(va, device=dev)])
+        ci, cv = cuda.as_cuda_array(cat_i), cuda.as_cuda_array(cat_v)
+        ms = timer(lambda: gk.coalesce(ci, cv))
+        peer = timer(lambda: torch.unique(cat_i, return_inverse=True))
+        row(n, "coalesce", ms, "torch.unique(inverse)", peer, entries=2 * k)
+    if want("scatter_add"):
+        dense = torch.zeros(n, device=dev)
+        dd = cuda.as_cuda_array(dense)
+        ms = timer(lambda: gk.scatter_add(dd, ia, va))
+        ti, tv = torch.as_tensor(ia, device=dev), torch.as_tensor(va, device=dev)
+        peer = timer(lambda: dense.index_add_(0, ti, tv))
+        row(n, "scatter_add", ms, "index_add_", peer, entries=k)
+        del dense
+    if want("gather"):
+        ms = timer(lambda: gk.gather(xd, ia))
+        ti = torch.as_tensor(ia, device=dev)
+        peer = timer(lambda: x[ti])
+        row(n, "gather", ms, "x[idx]", peer, entries=k)
+    if want("uniform_bounds"):
+        row(n, "uniform_bounds", timer(lambda: gk.uniform_bounds(n, args.P)), P=args.P)
+    if want("balanced_bounds"):
+        ms = timer(lambda: gk.balanced_bounds(ib, n, args.P))
+        row(n, "balanced_bounds", ms, entries=k, P=args.P)
+    if want("block_offsets"):
+        b = gk.uniform_bounds(n, args.P)
+        ms = timer(lambda: gk.block_offsets(ia, b))
+        row(n, "block_offsets", ms, entries=k, P=args.P)
+    if want("spardl_step"):
+        _spardl_step(n, x, args, timer, row, notes)
+
+
+def _spardl_step(n, x, args, timer, row, notes):
+    """One single-rank SparDL step on a GPU buffer, if the collective layer accepts one."""
+    try:
+        from mpi4py import MPI
+
+        import spardl
+
+        ar = spardl.make("spardl", MPI.COMM_SELF, n, density=args.density)
+        ar(x)  # also the warm-up: GPU support is probed here
+    except Exception as e:  # noqa: BLE001 - any failure makes this row a note, not a crash
+        notes.append(f"n={n} spardl_step: skipped ({type(e).__name__}: {e})")
+        print(f"  spardl_step skipped: {type(e).__name__}: {e}", flush=True)
+        return
+    row(n, "spardl_step", timer(lambda: ar(x)), P=1)
+
+
+def _config():
+    from spardl_kernels import config
+
+    return {k: getattr(config, k) for k in dir(config) if k.startswith("CUDA_")}
+
+
+def print_table(result):
+    print()
+    print(f"device: {result['device']}  torch {result['torch']}  density {result['density']}")
+    head = (
+        f"{'kernel':<20s} {'n':>12s} {'ms':>9s}  {'peer':<24s} {'peer ms':>9s} {'ratio':>6s}  goal"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in result["rows"]:
+        peer_ms = f"{r['peer_ms']:9.3f}" if r["peer_ms"] else f"{'':9s}"
+        ratio = f"{r['ratio']:6.2f}" if r["ratio"] else f"{'':6s}"
+        goal = ""
+        if r["goal"]:
+            goal = f"{r['goal']}: {'met' if r['met'] else 'NOT met'}"
+            if "fraction_of_copy_bandwidth" in r:
+                goal += f" ({r['fraction_of_copy_bandwidth']:.0%} of copy)"
+        print(f"{r['kernel']:<20s} {r['n']:>12,d} {r['median_ms']:9.3f}  {r['peer'] or '':<24s} "
+              f"{peer_ms} {ratio}  {goal}")
+    for note in result["notes"]:
+        print("note:", note)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    result = run(args)
+    with open(args.json_path, "w") as f:
+        json.dump(result, f, indent=2, default=lambda o: None if o != o else str(o))
+    print_table(result)
+    print(f"\nwrote {args.json_path} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,155 @@
+"""Argument checks of the kernel contract (DESIGN.md §3), shared by the CPU and CUDA kernels.
+
+Every function here takes metadata (a name, an ``ndim``, a ``dtype``, a length, a Python
+number), never array data, so the CUDA twins can call them on device arrays without copying.
+Checks that need the data (sorted, unique, in range) are computed by each backend and reported
+through :func:`require`. Every message starts with the argument's name.
+"""
+
+import numbers
+import operator
+
+import numpy as np
+
+VALUE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def require(ok, name, message, exc=ValueError):
+    """Raise ``exc(f"{name}: {message}")`` unless ``ok``."""
+    if not ok:
+        raise exc(f"{name}: {message}")
+
+
+def check_ndim(name, ndim):
+    """A kernel argument must be 1-D."""
+    require(ndim == 1, name, f"expected a 1-D array, got ndim={ndim}")
+
+
+def check_values(name, ndim, dtype):
+    """A value array: 1-D, float16, float32 or float64 (native byte order)."""
+    check_ndim(name, ndim)
+    dtype = np.dtype(dtype)
+    require(
+        dtype in VALUE_DTYPES,
+        name,
+        f"dtype must be float16, float32 or float64, got {dtype}",
+        TypeError,
+    )
+
+
+def check_indices(name, ndim, dtype):
+    """An index array: 1-D, int32 or int64 (native byte order)."""
+    check_ndim(name, ndim)
+    dtype = np.dtype(dtype)
+    require(dtype in INDEX_DTYPES, name, f"dtype must be int32 or int64, got {dtype}", TypeError)
+
+
+def check_int(name, value):
+    """A Python or NumPy integer (not bool, not float); returns it as ``int``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an integer, got bool")
+    try:
+        # operator.index accepts int, NumPy integers and 0-d integer arrays, and rejects floats.
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
+
+
+def check_k(k, n):
+    """``k`` is an integer with 0 <= k <= n; returns it as ``int``."""
+    k = check_int("k", k)
+    require(0 <= k <= n, "k", f"must satisfy 0 <= k <= n = {n}, got k={k}")
+    return k
+
+
+def check_k_positive(k, n):
+    """``k`` is an integer with 1 <= k <= n (kth_largest_abs); returns it as ``int``."""
+    k = check_int("k", k)
+    require(1 <= k <= n, "k", f"must satisfy 1 <= k <= n = {n}, got k={k}")
+    return k
+
+
+def check_index_dtype(index_dtype, n):
+    """``index_dtype`` is int32 or int64, and int32 only if every index below ``n`` fits.
+
+    Returns the ``np.dtype``.
+    """
+    try:
+        dt = np.dtype(index_dtype)
+    except TypeError:
+        raise TypeError(f"index_dtype: expected int32 or int64, got {index_dtype!r}") from None
+    require(dt in INDEX_DTYPES, "index_dtype", f"expected int32 or int64, got {dt}", TypeError)
+    if dt == np.int32:
+        require(
+            n - 1 <= INT32_MAX,
+            "index_dtype",
+            f"int32 cannot hold indices up to n - 1 = {n - 1}; use int64",
+        )
+    return dt
+
+
+def check_threshold(threshold):
+    """A real number (compared as float64); returns it as ``float``."""
+    if isinstance(threshold, (bool, np.bool_)) or not isinstance(
+        threshold, (numbers.Real, np.floating, np.integer)
+    ):
+        arr = np.asarray(threshold) if hasattr(threshold, "__array__") else None
+        if arr is None or arr.ndim != 0 or arr.dtype.kind not in "iuf":
+            raise TypeError(f"threshold: expected a real number, got {type(threshold).__name__}")
+        threshold = arr[()]
+    return float(threshold)
+
+
+def check_n(n):
+    """A vector length: an integer >= 0; returns it as ``int``."""
+    n = check_int("n", n)
+    require(n >= 0, "n", f"must be >= 0, got {n}")
+    require(n <= np.iinfo(np.int64).max, "n", f"must fit in int64, got {n}")
+    return n
+
+
+def check_P(P):
+    """A number of blocks (ranks): an integer >= 1; returns it as ``int``."""
+    P = check_int("P", P)
+    require(P >= 1, "P", f"must be >= 1, got {P}")
+    return P
+
+
+def check_same_length(name, length, other_name, other_length):
+    """Paired arrays (indices and values) have equal lengths."""
+    require(
+        length == other_length,
+        name,
+        f"length {length} does not match {other_name} (length {other_length})",
+    )
+
+
+def check_same_dtype(name, dtype, other_name, other_dtype):
+    """Arrays that are added together share one value dtype."""
+    require(
+        np.dtype(dtype) == np.dtype(other_dtype),
+        name,
+        f"dtype {np.dtype(dtype)} does not match {other_name} ({np.dtype(other_dtype)})",
+        TypeError,
+    )
+
+
+def check_sample_size(sample_size):
+    """``sample_size`` is None or an integer >= 1; returns it (``int`` or None)."""
+    if sample_size is None:
+        return None
+    s = check_int("sample_size", sample_size)
+    require(s >= 1, "sample_size", f"must be >= 1, got {s}")
+    return s
+
+
+def check_seed(seed):
+    """``seed`` is an integer; returns it reduced modulo 2**64."""
+    return check_int("seed", seed) % (1 << 64)
+
+
+def check_writeable(name, writeable):
+    """An in-place target must be writeable."""
+    require(writeable, name, "array is read-only; scatter_add writes into it")

@@ -1,0 +1,69 @@
+"""Every tunable of the kernels, in one place.
+
+The CPU wrappers read these names at call time and pass them to the compiled workers as
+arguments, so a test can patch them (``monkeypatch.setattr(config, "SMALL_N_CUTOFF", 0)``) and
+reach the code path it wants without recompiling. The CUDA twins read the ``CUDA_*`` names.
+"""
+
+# --- radix select (topk_abs, kth_largest_abs) -------------------------------------------------
+# The select works on "keys": the bit pattern of |x| as a signed integer of x's width, sign bit
+# cleared (so -0.0 -> 0), every NaN mapped to one key just above +inf. Keys sort like |x|.
+# Digit widths from the most significant key bit down; they add up to the key width
+# (15 bits for float16, 31 for float32, 63 for float64). The first digit is histogrammed over
+# all of x; later digits only over the candidates that share the winning first digit, which is
+# why the first digit is chosen to cover the exponent (plus a few mantissa bits): gradients span
+# a few dozen binades, so the winning bucket holds a small fraction of x.
+RADIX_DIGITS = {
+    "float16": (10, 5),
+    "float32": (11, 10, 10),
+    "float64": (12, 13, 13, 13, 12),
+}
+# Independent sub-histograms for the first pass: consecutive elements land in different
+# counter arrays, so runs of equal keys (exact zeros are common in gradients) do not serialise
+# on one counter's store-to-load latency.
+HIST_LANES = 4
+# At or below this n, topk_abs/kth_largest_abs use a stable sort of the keys instead of the radix
+# passes (zeroing the histograms would cost more than the work).
+SMALL_N_CUTOFF = 512
+
+# Sampled window (Floyd-Rivest style) in front of the radix select: a strided sample of
+# clamp(n // 128, WINDOW_SAMPLE_MIN, WINDOW_SAMPLE_MAX) keys brackets the k-th largest key by
+# the sample ranks k*s/n -/+ (WINDOW_SIGMAS * sqrt(k*s/n + 1) + 2); then ONE pass over x writes
+# the indices above the bracket and collects the few inside it. The bracket is verified exactly
+# (count above < k <= count above + inside); if it missed, the exact radix passes run instead,
+# so the result never depends on the sample, only the time does.
+WINDOW_SELECT = True
+WINDOW_MIN_N = 1 << 15
+WINDOW_SAMPLE_MIN = 1024
+WINDOW_SAMPLE_MAX = 16384
+WINDOW_SIGMAS = 4.0
+
+# --- select_above ------------------------------------------------------------------------------
+# select_above writes indices in one pass, chunk by chunk, with a branch-free store; the output
+# buffer is checked (and grown) once per chunk of this many elements.
+SELECT_CHUNK = 4096
+# First capacity of the output buffer, as a fraction of n (grown by doubling when exceeded).
+SELECT_INITIAL_FRACTION = 1.0 / 32.0
+
+# --- estimate_threshold ------------------------------------------------------------------------
+# DGC (arXiv 1712.01887) samples 0.1%-1% of the gradient. Default sample size:
+# max(THRESHOLD_SAMPLE_MIN, ceil(THRESHOLD_SAMPLE_FRACTION * n)), capped at n (then exact).
+THRESHOLD_SAMPLE_FRACTION = 0.01
+THRESHOLD_SAMPLE_MIN = 4096
+
+# --- CUDA twins (read by spardl_kernels.cuda) --------------------------------------------------
+CUDA_THREADS_PER_BLOCK = 256
+# Threads per block of the histogram kernels of the radix select (one shared-memory histogram
+# per block).
+CUDA_HIST_THREADS_PER_BLOCK = 512
+# Upper bound on blocks launched by grid-stride kernels (0 = as many as the data needs).
+CUDA_MAX_BLOCKS = 1024
+# Elements per thread in the tiled CUDA kernels (compaction of select_above/topk_abs, scans):
+# a block handles tiles of CUDA_THREADS_PER_BLOCK * CUDA_ITEMS_PER_THREAD elements.
+CUDA_ITEMS_PER_THREAD = 8
+# Digit width (bits) of the CUDA radix select: one histogram pass over x per digit, from the
+# most significant key bit down (float32 keys: 31 bits = 7 + 8 + 8 + 8, four passes).
+CUDA_RADIX_BITS = 8
+# Digit width (bits) of the stable LSD radix sort of indices used by the CUDA coalesce,
+# scatter_add and balanced_bounds; passes = ceil(bit_length(max index) / this).
+CUDA_SORT_RADIX_BITS = 8

@@ -1,0 +1,368 @@
+"""Property tests: every CPU kernel equals its NumPy reference in tests/naive.py bit for bit."""
+
+import contextlib
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spardl_kernels as sk
+from spardl_kernels import config
+from tests import naive
+
+DTYPES = [np.float16, np.float32, np.float64]
+SETTINGS = settings(deadline=None, max_examples=60)
+
+# values drawn from a tiny set make heavy ties; the special values are the ones the total order
+# has to place: NaN above inf, -0.0 == 0.0, sign ignored
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, np.inf, -np.inf, np.nan]
+
+
+def _numpy_vector(seed, size, dtype, kind):
+    """A large vector from NumPy (hypothesis draws only the seed: big draws are slow)."""
+    rng = np.random.default_rng(seed)
+    if kind == 0:  # heavy ties and every special value
+        return rng.choice(np.array(SPECIAL, dtype), size)
+    x = rng.laplace(size=size) * 10.0 ** rng.integers(-3, 3, size)
+    x[rng.random(size) < 0.3] = 0.0  # gradients have many exact zeros
+    x[rng.random(size) < 0.01] = rng.choice(np.array([np.nan, np.inf, -np.inf, -0.0]))
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
+
+
+@st.composite
+def vectors(draw, max_size=300, dtype=None):
+    dtype = draw(st.sampled_from(DTYPES)) if dtype is None else dtype
+    if draw(st.integers(0, 9)) == 0:
+        # sometimes large enough for the radix path with the default cutoff
+        size = draw(st.sampled_from([600, 10_000]))
+        return _numpy_vector(draw(st.integers(0, 2**32)), size, dtype, draw(st.integers(0, 1)))
+    size = draw(st.one_of(st.integers(0, 40), st.integers(0, max_size)))
+    width = np.dtype(dtype).itemsize * 8
+    elements = draw(
+        st.sampled_from(
+            [
+                st.sampled_from(SPECIAL),
+                st.sampled_from([0.0, -0.0, 3.0, -3.0]),
+                st.floats(width=width, allow_nan=True, allow_infinity=True),
+                st.floats(-10, 10, width=width),
+            ]
+        )
+    )
+    return draw(hnp.arrays(dtype, size, elements=elements))
+
+
+@contextlib.contextmanager
+def tuning(cutoff=None, lanes=None, chunk=None, window_min_n=None, sigmas=None):
+    """Patch config (the wrappers read it per call) to reach every code path on small inputs."""
+    names = ["SMALL_N_CUTOFF", "HIST_LANES", "SELECT_CHUNK", "WINDOW_MIN_N", "WINDOW_SIGMAS"]
+    saved = {name: getattr(config, name) for name in names}
+    try:
+        for name, value in zip(names, (cutoff, lanes, chunk, window_min_n, sigmas), strict=True):
+            if value is not None:
+                setattr(config, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+def same_bits(a, b):
+    """Equal dtype, shape and values, NaN == NaN, and signs of zeros equal."""
+    a = np.asarray(a)
+    b = np.asarray(b)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if a.dtype.kind == "f":
+        nan = np.isnan(a)
+        assert (nan == np.isnan(b)).all()
+        assert (a[~nan] == b[~nan]).all()
+        assert (np.signbit(a[~nan]) == np.signbit(b[~nan])).all()
+    else:
+        assert (a == b).all()
+
+
+def same_pair(got, ref):
+    same_bits(got[0], ref[0])
+    same_bits(got[1], ref[1])
+
+
+# (cutoff, lanes, chunk, window_min_n, sigmas): default; radix only; sampled window (wide, and
+# so narrow that it often misses and falls back to the radix passes)
+paths = st.sampled_from(
+    [
+        (None, None, None, None, None),
+        (0, 4, None, 1 << 62, None),
+        (0, 1, None, 1 << 62, None),
+        (0, 3, None, 1 << 62, None),
+        (0, 4, None, 0, None),
+        (0, 4, None, 0, 0.0),
+        (0, 4, None, 0, 1.0),
+    ]
+)
+
+
+@SETTINGS
+@given(x=vectors(), data=st.data(), path=paths)
+def test_topk_abs(x, data, path):
+    k = data.draw(st.one_of(st.just(0), st.just(x.shape[0]), st.integers(0, x.shape[0])))
+    with tuning(*path):
+        got = sk.topk_abs(x, k)
+    same_pair(got, naive.topk_abs(x, k))
+
+
+@SETTINGS
+@given(x=vectors(), data=st.data(), path=paths)
+def test_kth_largest_abs_and_select_superset(x, data, path):
+    if x.shape[0] == 0:
+        return
+    k = data.draw(st.integers(1, x.shape[0]))
+    with tuning(*path):
+        t = sk.kth_largest_abs(x, k)
+        idx, _ = sk.select_above(x, t)
+        top, _ = sk.topk_abs(x, k)
+    same_bits(np.array([t]), np.array([naive.kth_largest_abs(x, k)]))
+    assert np.isin(top, idx).all()
+    assert sk.count_above(x, t) == idx.shape[0] >= k
+
+
+thresholds = st.one_of(
+    st.sampled_from([0.0, -0.0, -1.0, 0.5, 1.0, 2.0, 3.0, np.inf, -np.inf, np.nan, 1e-300, 7e4]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-5, 5),
+)
+
+
+@SETTINGS
+@given(x=vectors(), t=thresholds, chunk=st.sampled_from([None, 1, 7, 64]))
+def test_select_above_and_count_above(x, t, chunk):
+    with tuning(chunk=chunk):
+        got = sk.select_above(x, t)
+    same_pair(got, naive.select_above(x, t))
+    assert sk.count_above(x, t) == naive.count_above(x, t)
+
+
+@SETTINGS
+@given(x=vectors(), data=st.data())
+def test_int32_indices(x, data):
+    k = data.draw(st.integers(0, x.shape[0]))
+    i, _ = sk.topk_abs(x, k, index_dtype=np.int32)
+    assert i.dtype == np.int32
+    same_pair(sk.topk_abs(x, k, index_dtype=np.int32), naive.topk_abs(x, k, index_dtype=np.int32))
+    j, _ = sk.select_above(x, 1.0, index_dtype=np.int32)
+    assert j.dtype == np.int32
+    same_bits(j, naive.select_above(x, 1.0, index_dtype=np.int32)[0])
+
+
+@SETTINGS
+@given(x=vectors(max_size=2000), data=st.data())
+def test_estimate_threshold(x, data):
+    n = x.shape[0]
+    k = data.draw(st.integers(0, n))
+    s = data.draw(st.integers(1, max(1, 2 * n)))
+    seed = data.draw(st.integers(0, 2**70))
+    got = sk.estimate_threshold(x, k, sample_size=s, seed=seed)
+    ref = naive.estimate_threshold(x, k, sample_size=s, seed=seed)
+    assert got == ref or (np.isnan(got) and np.isnan(ref))
+    assert got == sk.estimate_threshold(x, k, sample_size=s, seed=seed) or np.isnan(got)
+
+
+@st.composite
+def sparse_vectors(draw, dtype, unique=True, max_index=60):
+    itype = draw(st.sampled_from([np.int64, np.int32]))
+    if draw(st.integers(0, 9)) == 0:
+        rng = np.random.default_rng(draw(st.integers(0, 2**32)))
+        m = 3000
+        idx = rng.choice(4 * m, m, replace=not unique)
+        idx = np.sort(idx) if unique else idx
+        return idx.astype(itype), _numpy_vector(rng.integers(2**32), m, dtype, rng.integers(2))
+    m = draw(st.integers(0, 30))
+    idx = draw(hnp.arrays(np.int64, m, elements=st.integers(0, max_index), unique=unique))
+    if unique:
+        idx = np.sort(idx)
+    width = np.dtype(dtype).itemsize * 8
+    vals = draw(hnp.arrays(dtype, m, elements=st.floats(width=width) | st.sampled_from(SPECIAL)))
+    return idx.astype(itype), vals
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_merge_add(data, dtype):
+    ia, va = data.draw(sparse_vectors(dtype))
+    ib, vb = data.draw(sparse_vectors(dtype))
+    with np.errstate(all="ignore"):
+        ref = naive.merge_add(ia, va, ib, vb)
+    same_pair(sk.merge_add(ia, va, ib, vb), ref)
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_coalesce(data, dtype):
+    idx, vals = data.draw(sparse_vectors(dtype, unique=False, max_index=8))
+    if data.draw(st.booleans()):
+        order = np.argsort(idx, kind="stable")
+        idx, vals = idx[order], vals[order]  # the already-sorted fast path
+    with np.errstate(all="ignore"):
+        ref = naive.coalesce(idx, vals)
+    same_pair(sk.coalesce(idx, vals), ref)
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_scatter_add_and_gather(data, dtype):
+    dense = data.draw(vectors(max_size=100, dtype=dtype))
+    n = dense.shape[0]
+    if n == 0:
+        return
+    m = data.draw(st.integers(0, 3 * n))
+    idx = data.draw(hnp.arrays(np.int64, m, elements=st.integers(0, n - 1)))
+    vals = data.draw(vectors(dtype=dtype))
+    vals = np.resize(vals, m) if vals.shape[0] else np.zeros(m, dtype)
+    idx = idx.astype(data.draw(st.sampled_from([np.int64, np.int32])))
+    ref = dense.copy()
+    with np.errstate(all="ignore"):
+        naive.scatter_add(ref, idx, vals)
+    got = dense.copy()
+    out = sk.scatter_add(got, idx, vals)
+    assert out is got
+    same_bits(got, ref)
+    same_bits(sk.gather(dense, idx), naive.gather(dense, idx))
+
+
+@SETTINGS
+@given(n=st.integers(0, 2**62), P=st.integers(1, 70))
+def test_uniform_bounds(n, P):
+    b = sk.uniform_bounds(n, P)
+    same_bits(b, naive.uniform_bounds(n, P))
+    lengths = np.diff(b)
+    assert (lengths[: n % P] == n // P + 1).all() and (lengths[n % P :] == n // P).all()
+
+
+@SETTINGS
+@given(data=st.data(), P=st.integers(1, 9))
+def test_balanced_bounds_and_block_offsets(data, P):
+    n = data.draw(st.integers(1, 10**6))
+    m = data.draw(st.integers(0, 50))
+    idx = data.draw(hnp.arrays(np.int64, m, elements=st.integers(0, n - 1)))
+    b = sk.balanced_bounds(idx, n, P)
+    same_bits(b, naive.balanced_bounds(idx, n, P))
+    assert b[0] == 0 and b[-1] == n and (np.diff(b) >= 0).all()
+    u = np.unique(idx).astype(data.draw(st.sampled_from([np.int64, np.int32])))
+    for bounds in (b, sk.uniform_bounds(n, P)):
+        same_bits(sk.block_offsets(u, bounds), naive.block_offsets(u, bounds))
+
+
+# ---------------------------------------------------------------------------------------------
+# beyond 2**31 and 2**32: exact int64 arithmetic, no dense array needed
+# ---------------------------------------------------------------------------------------------
+
+
+def test_indices_above_2_31_are_exact():
+    n = 2**33 + 5
+    b = sk.uniform_bounds(n, 3)
+    same_bits(b, naive.uniform_bounds(n, 3))
+    idx = np.array([1, 2**31 + 1, 2**32 + 3, 2**33 + 1, 2**33 + 4], np.int64)
+    bb = sk.balanced_bounds(idx, n, 4)
+    same_bits(bb, np.array([0, 2**31 + 1, 2**32 + 3, 2**33 + 1, n]))
+    same_bits(sk.block_offsets(idx, b), naive.block_offsets(idx, b))
+    i, v = sk.merge_add(idx, np.ones(5), idx[1:] + 1, np.ones(4))
+    same_bits(i, np.sort(np.concatenate([idx, idx[1:] + 1])))
+    ci, cv = sk.coalesce(idx[::-1].copy(), np.arange(5.0))
+    same_bits(ci, idx)
+    with pytest.raises(ValueError, match="index_dtype"):
+        sk.topk_abs(
+            np.lib.stride_tricks.as_strided(np.zeros(1), (2**31 + 1,), (0,)),
+            1,
+            index_dtype=np.int32,
+        )
+
+
+def test_gather_scatter_add_above_2_31_on_a_strided_view():
+    # A zero-stride view of length > 2**31 costs no memory; the kernels must index it exactly.
+    base = np.zeros(1, np.float32)
+    dense = np.lib.stride_tricks.as_strided(base, (2**31 + 10,), (0,))
+    assert sk.gather(dense, np.array([2**31 + 9], np.int64))[0] == 0.0
+    with pytest.raises(ValueError, match="indices"):
+        sk.gather(dense, np.array([2**31 + 10], np.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# invalid input: ValueError/TypeError naming the argument
+# ---------------------------------------------------------------------------------------------
+
+X = np.arange(6, dtype=np.float32)
+I = np.array([0, 2, 4])
+V = np.ones(3)
+
+
+@pytest.mark.parametrize(
+    "call, exc, name",
+    [
+        (lambda: sk.topk_abs(X.reshape(2, 3), 1), ValueError, "x"),
+        (lambda: sk.topk_abs(X.astype(np.int64), 1), TypeError, "x"),
+        (lambda: sk.topk_abs(X, -1), ValueError, "k"),
+        (lambda: sk.topk_abs(X, 7), ValueError, "k"),
+        (lambda: sk.topk_abs(X, 2.0), TypeError, "k"),
+        (lambda: sk.topk_abs(X, True), TypeError, "k"),
+        (lambda: sk.topk_abs(X, 1, index_dtype=np.float32), TypeError, "index_dtype"),
+        (lambda: sk.kth_largest_abs(X, 0), ValueError, "k"),
+        (lambda: sk.kth_largest_abs(X[:0], 1), ValueError, "k"),
+        (lambda: sk.select_above(X, "a"), TypeError, "threshold"),
+        (lambda: sk.select_above(X, [1.0]), TypeError, "threshold"),
+        (lambda: sk.count_above(X[None], 1.0), ValueError, "x"),
+        (lambda: sk.estimate_threshold(X, 7), ValueError, "k"),
+        (lambda: sk.estimate_threshold(X, 1, sample_size=0), ValueError, "sample_size"),
+        (lambda: sk.estimate_threshold(X, 1, seed=1.5), TypeError, "seed"),
+        (lambda: sk.merge_add(I[::-1], V, I, V), ValueError, "ia"),
+        (lambda: sk.merge_add(I, V, np.array([1, 1, 2]), V), ValueError, "ib"),
+        (lambda: sk.merge_add(I, V, -I[::-1], V), ValueError, "ib"),
+        (lambda: sk.merge_add(I, V[:2], I, V), ValueError, "va"),
+        (lambda: sk.merge_add(I, V, I, V.astype(np.float32)), TypeError, "vb"),
+        (lambda: sk.merge_add(I.astype(np.float64), V, I, V), TypeError, "ia"),
+        (lambda: sk.merge_add(I.astype(np.uint64), V, I, V), TypeError, "ia"),
+        (lambda: sk.coalesce(np.array([1, -1]), np.ones(2)), ValueError, "indices"),
+        (lambda: sk.coalesce(I, np.ones(2)), ValueError, "values"),
+        (lambda: sk.uniform_bounds(-1, 2), ValueError, "n"),
+        (lambda: sk.uniform_bounds(5, 0), ValueError, "P"),
+        (lambda: sk.uniform_bounds(5.0, 2), TypeError, "n"),
+        (lambda: sk.balanced_bounds(np.array([0, 9]), 9, 2), ValueError, "indices"),
+        (lambda: sk.balanced_bounds(I, 9, 0), ValueError, "P"),
+        (lambda: sk.block_offsets(np.array([0, 2, 2]), I), ValueError, "indices"),
+        (lambda: sk.block_offsets(np.array([2, 0]), I), ValueError, "indices"),
+        (lambda: sk.block_offsets(I, I[::-1]), ValueError, "bounds"),
+        (lambda: sk.scatter_add(np.zeros(3), np.array([3]), np.ones(1)), ValueError, "indices"),
+        (lambda: sk.scatter_add(np.zeros(3), np.array([-1]), np.ones(1)), ValueError, "indices"),
+        (lambda: sk.scatter_add(np.zeros(3), I[:1], np.ones(2)), ValueError, "values"),
+        (lambda: sk.scatter_add(np.zeros(3), I[:1], np.ones(1, np.float32)), TypeError, "values"),
+        (lambda: sk.gather(np.zeros(3), np.array([5])), ValueError, "indices"),
+        (lambda: sk.gather(np.zeros(0), np.array([0])), ValueError, "indices"),
+    ],
+)
+def test_invalid_input_names_the_argument(call, exc, name):
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        call()
+
+
+def test_scatter_add_error_writes_nothing_and_read_only_rejected():
+    d = np.zeros(3)
+    with pytest.raises(ValueError, match="indices"):
+        sk.scatter_add(d, np.array([0, 1, 7]), np.ones(3))
+    assert (d == 0).all()
+    d.flags.writeable = False
+    with pytest.raises(ValueError, match="dense"):
+        sk.scatter_add(d, np.array([0]), np.ones(1))
+
+
+def test_accepts_cpu_torch_tensors_and_strided_views():
+    torch = pytest.importorskip("torch")
+    t = torch.tensor([0.5, -3.0, 2.0, -0.0])
+    i, v = sk.topk_abs(t, 2)
+    assert isinstance(i, np.ndarray) and i.tolist() == [1, 2] and v.tolist() == [-3.0, 2.0]
+    d = torch.zeros(4)
+    assert sk.scatter_add(d, np.array([1, 1]), np.ones(2, np.float32)) is d
+    assert d.tolist() == [0.0, 2.0, 0.0, 0.0]
+    x = np.arange(20, dtype=np.float64)[::-3]
+    same_pair(sk.topk_abs(x, 3), naive.topk_abs(x, 3))
+    same_pair(sk.select_above(x, 5.0), naive.select_above(x, 5.0))
