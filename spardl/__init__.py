@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from .algorithms import Allreducer, NonFiniteError
 from .algorithms.dense import Dense
+from .algorithms.gaussiank import Gaussiank
+from .algorithms.gtopk import GTopk
+from .algorithms.oktopk import OkTopk
+from .algorithms.spardl import SparDL
+from .algorithms.topka import TopkA
+from .algorithms.topkdsa import TopkDSA
 from .comm import Comm, abort_on_exception, name_hash
 from .result import SparseResult
 
@@ -17,6 +23,12 @@ __version__ = "0.1.0"
 #: Algorithm name -> class. Every class takes (comm, n, **options); see :func:`make`.
 ALGORITHMS: dict[str, type[Allreducer]] = {
     "dense": Dense,
+    "topka": TopkA,
+    "gaussiank": Gaussiank,
+    "topkdsa": TopkDSA,
+    "gtopk": GTopk,
+    "spardl": SparDL,
+    "oktopk": OkTopk,
 }
 
 

@@ -135,7 +135,7 @@ class Allreducer:
                 )
             self.opts = {**self.options, **options}
             self._setup()
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank after the agreement
             err = e
         described = {
             "algorithm": self.name,

@@ -1,0 +1,284 @@
+"""`oktopk`: Ok-Topk's O(k) sparse allreduce (Li & Hoefler, PPoPP 2022, arXiv 2201.07598).
+
+The steps of the paper's Algorithm 1, one method each:
+
+1. local top-k with a threshold reused between exact recomputations (``spardl.selection``);
+2. space repartition: P contiguous regions at the averaged P-quantiles of the ranks' selected
+   indices, recomputed every τ steps;
+3. split and reduce: the selected entries of region j go to rank j, destinations rotated;
+4. global threshold re-evaluated every τ' steps on the reduced regions, reused in between;
+5. balance and allgatherv: owners keep what passes the global threshold, redistribute it so
+   every rank holds the same number of entries, and all-gather.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import spardl_kernels as K
+
+from ..comm import pack_blocks, unpack_blocks, wire_index_dtype
+from ..selection import make_selector
+from .base import Allreducer, Reduced
+
+__all__ = ["OkTopk"]
+
+#: Exponent γ of the global threshold's nudge between re-evaluations (the same rule as the
+#: local :class:`spardl.selection.ThresholdSelector`): t ← t·clip(((M+1)/(k+1))^γ, 1/2, 2).
+GLOBAL_NUDGE = 0.1
+
+
+def _positive_int(name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(v).__name__}")
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return int(v)
+
+
+class OkTopk(Allreducer):
+    """Ok-Topk sparse allreduce on the project's kernels.
+
+    Options (besides those of :class:`~spardl.algorithms.base.Allreducer`):
+
+    threshold_interval : int, default 32
+        τ': the local and the global thresholds are computed exactly every τ' steps (step 0
+        included) and reused, nudged towards k selected entries, in between.
+    region_interval : int, default 64
+        τ: the region boundaries are recomputed every τ steps (step 0 included).
+    selector : {"threshold", "exact"}, default "threshold"
+        Local selection: Ok-Topk's threshold reuse, or the exact top-k every step.
+
+    Per step and rank, with k = ⌊ρn⌋ and M the number of entries in the output:
+
+    * "split_reduce": P−1 point-to-point messages (one packed message per destination), plus
+      one allreduce of the P+1 boundaries on region steps;
+    * "global_threshold": on re-evaluation steps, one all-gather of each owner's top-k reduced
+      magnitudes (k values, zero padded);
+    * "balance": one all-gather of the P owner counts and P−1 point-to-point messages;
+    * "allgather": one all-gather of the balanced chunks (⌈M/P⌉ pairs each, padded).
+
+    That is 2P messages per step, 2P + 2 on steps that also re-evaluate the regions and the
+    threshold: within the paper's (2P + 2 log₂P)·α for every P ≥ 2 (Eq. 3), since this project
+    counts a collective call as one message. Nothing is sent when P = 1.
+
+    Residual: with ``residual="global"``, E_r = X_r except on the coordinates of the output,
+    where E_r[i] = X_r[i] − (what rank r contributed to i): entries that were selected locally but
+    fell below the global threshold stay with the rank that selected them, so
+    Σ_r X_r = P·out + Σ_r E_r holds (op="mean"). With ``residual="local"``, E_r = X_r with every
+    locally selected entry zeroed, as in plain error feedback (the dropped ones are lost).
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, naming the option, if an option is out of range or of the wrong type.
+
+    Notes
+    -----
+    Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP 2022,
+    arXiv 2201.07598: Algorithm 1, Sec. 3.1.1 (split and reduce, space repartition, threshold
+    reuse), Sec. 3.1.2 (balance and allgatherv), Eq. 1-3 (cost ≤ (2P + 2 log P)α + 6k(P−1)/P β),
+    Algorithm 2 (residuals zeroed on local ∩ global top-k indices).
+
+    Where this module chooses (the paper leaves it open or its code does otherwise):
+
+    * global threshold re-evaluation: each owner contributes the magnitudes of its top-k reduced
+      entries (zero padded to k) to one fixed-size all-gather; the k-th largest of those is the
+      exact k-th largest reduced magnitude overall, so re-evaluation steps output exactly the
+      global top-k of the reduced sums (plus ties). The authors' code all-gathers every reduced
+      (index, value) pair instead;
+    * regions: the integer mean (floor) of the ranks' boundaries; a rank that selected nothing
+      contributes uniform boundaries;
+    * the owners sum received entries in rank order 0 … P−1 (not arrival order), so results do
+      not depend on the rotation and are bit-identical run to run.
+    """
+
+    name = "oktopk"
+    options = {"threshold_interval": 32, "region_interval": 64, "selector": "threshold"}
+
+    def _setup(self) -> None:
+        o = self.opts
+        self.tau_prime = _positive_int("threshold_interval", o["threshold_interval"])
+        self.tau = _positive_int("region_interval", o["region_interval"])
+        kind = o["selector"]
+        if kind == "threshold":
+            self.selector = make_selector("threshold", interval=self.tau_prime)
+        elif kind == "exact":
+            self.selector = make_selector("exact")
+        else:
+            raise ValueError(f"selector must be 'threshold' or 'exact', got {kind!r}")
+        self.bounds = None  # region boundaries: int64 array of shape (P+1,)
+        self.global_threshold = math.nan
+
+    # -- Algorithm 1 ------------------------------------------------------------------------
+    def _reduce(self, x: np.ndarray) -> Reduced:
+        saved_selector = self.selector.state_dict()
+        with self.comm.phase("select"):
+            if self.k == self.n:
+                # Density 1 drops nothing: no threshold may guess otherwise (cases C6, C9).
+                sel_idx, sel_val = np.arange(self.n, dtype=np.int64), x.copy()
+            else:
+                sel_idx, sel_val = self.selector.select(x, self.k)
+        with self.comm.phase("split_reduce"):
+            bounds = self.bounds
+            if bounds is None or self.step % self.tau == 0:
+                bounds = self._space_repartition(sel_idx)
+            red_idx, red_val = self._split_and_reduce(sel_idx, sel_val, bounds)
+        with self.comm.phase("global_threshold"):
+            th = self.global_threshold
+            if self.k == self.n:
+                th = 0.0  # keep every reduced entry; the schedule of messages stays the same
+            if self.step % self.tau_prime == 0 or not math.isfinite(th):
+                th = self._global_threshold(red_val)
+            keep_idx, keep_val = K.select_above(red_val, th)
+            keep_idx = red_idx[keep_idx]
+        with self.comm.phase("balance"):
+            counts, bal_idx, bal_val = self._balance(keep_idx, keep_val)
+        with self.comm.phase("allgather"):
+            out_idx, out_val = self._allgather(bal_idx, bal_val, counts)
+
+        residual = self._residual_after(x, sel_idx, sel_val, out_idx)
+        if self.nonfinite == "propagate" or np.all(np.isfinite(out_val)):
+            self.bounds = bounds
+            self.global_threshold = self._nudge(th, int(counts.sum()))
+        else:
+            # The base class will not apply this step: leave every piece of state as it was.
+            self.selector.load_state_dict(saved_selector)
+        return Reduced(out_idx, out_val, residual)
+
+    def _space_repartition(self, sel_idx):
+        """P+1 region boundaries: the mean of every rank's P-quantiles of its selected indices."""
+        mine = K.balanced_bounds(sel_idx, self.n, self.P)
+        if self.P == 1:
+            return mine
+        # An exact int64 sum, then floor division: the same integers on every rank, 0 and n at
+        # the ends, and monotone because each rank's boundaries are.
+        total = self.comm.allreduce(mine.astype(np.int64), "sum")
+        return total // self.P
+
+    def _split_and_reduce(self, sel_idx, sel_val, bounds):
+        """Send region j's selected entries to rank j; return this rank's reduced region."""
+        P, r = self.P, self.rank
+        offs = K.block_offsets(sel_idx, bounds)
+
+        def region(j):
+            return sel_idx[offs[j]:offs[j + 1]], sel_val[offs[j]:offs[j + 1]]
+
+        parts = [None] * P
+        parts[r] = region(r)
+        lengths = np.diff(bounds)
+        wire = wire_index_dtype(int(lengths.max(initial=0)))
+        cap = min(self.selector.max_count(self.k), int(lengths[r]))
+        for i in range(1, P):
+            dest, src = (r + i) % P, (r - i) % P
+            (parts[src],) = self.comm.exchange_blocks(
+                dest, [region(dest)], [int(bounds[dest])], src, [int(bounds[r])], cap,
+                wire, sel_val.dtype,
+            )
+        # Sum in rank order so the result does not depend on the rotation.
+        return K.coalesce(np.concatenate([p[0] for p in parts]),
+                          np.concatenate([p[1] for p in parts]))
+
+    def _global_threshold(self, red_val):
+        """The k-th largest reduced magnitude over all regions (0 when fewer than k exist)."""
+        k = self.k
+        _, top = K.topk_abs(red_val, min(k, red_val.shape[0]))
+        mags = np.zeros(k, dtype=red_val.dtype)
+        mags[: top.shape[0]] = np.abs(top)
+        everyone = self.comm.allgather_array(mags).ravel() if self.P > 1 else mags
+        th = float(K.kth_largest_abs(everyone, k))
+        # NaN data gives a NaN threshold; 0 keeps every reduced entry (NaN included).
+        return th if math.isfinite(th) else 0.0
+
+    def _balance(self, keep_idx, keep_val):
+        """Redistribute the kept entries (in global index order) evenly: rank q gets positions
+        uniform_bounds(M, P)[q] … [q+1] of their concatenation over owners 0 … P−1."""
+        P, r = self.P, self.rank
+        if P == 1:
+            return np.array([keep_idx.shape[0]], np.int64), keep_idx, keep_val
+        counts = self.comm.allgather_array(np.array([keep_idx.shape[0]], np.int64))[:, 0]
+        have = np.concatenate(([0], np.cumsum(counts)))  # owner s holds have[s] … have[s+1]
+        want = K.uniform_bounds(int(have[-1]), P)  # rank q gets want[q] … want[q+1]
+
+        def overlap(s, q):  # positions, relative to owner s's segment, that s gives to q
+            lo, hi = max(have[s], want[q]), min(have[s + 1], want[q + 1])
+            return int(lo - have[s]), int(max(lo, hi) - have[s])
+
+        def piece(q):
+            a, b = overlap(r, q)
+            return keep_idx[a:b], keep_val[a:b]
+
+        wire = wire_index_dtype(self.n)
+        parts = [None] * P
+        parts[r] = piece(r)
+        for i in range(1, P):
+            dest, src = (r + i) % P, (r - i) % P
+            a, b = overlap(src, r)
+            (parts[src],) = self.comm.exchange_blocks(
+                dest, [piece(dest)], [0], src, [0], b - a, wire, keep_val.dtype
+            )
+        # Owners' segments are consecutive in index order, so rank order keeps indices sorted.
+        return (counts, np.concatenate([p[0] for p in parts]),
+                np.concatenate([p[1] for p in parts]))
+
+    def _allgather(self, bal_idx, bal_val, counts):
+        """Every rank gets every kept entry: one all-gather of equal-size padded chunks."""
+        P = self.P
+        if P == 1:
+            return bal_idx, bal_val
+        M = int(counts.sum())
+        sizes = np.diff(K.uniform_bounds(M, P))
+        c_max = int(sizes.max(initial=0))
+        # Chunks differ by at most one entry: padding them to ⌈M/P⌉ turns the allgatherv into
+        # an all-gather of one fixed-size buffer (no size exchange, one message).
+        pad = c_max - bal_idx.shape[0]
+        idx = np.concatenate((bal_idx, np.zeros(pad, np.int64)))
+        val = np.concatenate((bal_val, np.zeros(pad, bal_val.dtype)))
+        wire = wire_index_dtype(self.n)
+        everyone = self.comm.allgather_array(pack_blocks([(idx, val)], [0], wire, val.dtype))
+        chunks = [unpack_blocks(everyone[q], 1, [0], wire, val.dtype)[0] for q in range(P)]
+        return (np.concatenate([c[0][: sizes[q]] for q, c in enumerate(chunks)]),
+                np.concatenate([c[1][: sizes[q]] for q, c in enumerate(chunks)]))
+
+    def _residual_after(self, x, sel_idx, sel_val, out_idx):
+        """E_new (Algorithm 2): X minus what this rank contributed, where it counted."""
+        residual = x.copy()
+        if self.residual_mode == "local":
+            residual[sel_idx] = 0  # forget everything sent, even if dropped downstream
+            return residual
+        # Contributed and in the output: local top-k ∩ global top-k.
+        pos = np.searchsorted(out_idx, sel_idx)
+        hit = pos < out_idx.shape[0]
+        hit[hit] = out_idx[pos[hit]] == sel_idx[hit]
+        return K.scatter_add(residual, sel_idx[hit], -sel_val[hit])
+
+    def _nudge(self, th, M):
+        """Move the reused global threshold towards k surviving entries for the next step."""
+        if not (math.isfinite(th) and th > 0):
+            return th
+        factor = ((M + 1) / (self.k + 1)) ** GLOBAL_NUDGE
+        return th * min(2.0, max(0.5, factor))
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _extra_state(self) -> dict:
+        return {
+            "bounds": None if self.bounds is None else self.bounds.copy(),
+            "global_threshold": self.global_threshold,
+            "selector": self.selector.state_dict(),
+        }
+
+    def _load_extra_state(self, state: dict) -> None:
+        b = state.get("bounds")
+        if b is not None:
+            b = np.asarray(b, dtype=np.int64)
+            if b.shape != (self.P + 1,) or b[0] != 0 or b[-1] != self.n or np.any(np.diff(b) < 0):
+                raise ValueError(
+                    f"state bounds must be {self.P + 1} non-decreasing boundaries from 0 to "
+                    f"{self.n}, got {b!r}"
+                )
+        self.bounds = b
+        self.global_threshold = float(state.get("global_threshold", math.nan))
+        if "selector" in state:
+            self.selector.load_state_dict(state["selector"])

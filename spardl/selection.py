@@ -1,0 +1,263 @@
+"""Stateful top-k selectors: which entries of a block (or a whole vector) a rank sends.
+
+A selector is called once per *key* per step (a key names a stream, e.g. a block id whose
+statistics change slowly between steps) and returns the positions of the entries of largest
+magnitude. :class:`ExactSelector` computes the exact top-k every time. :class:`ThresholdSelector`
+reuses a magnitude threshold between exact recomputations, as Ok-Topk does (Li & Hoefler,
+PPoPP 2022, arXiv 2201.07598, Sec. 3.1.1), so most steps cost one streaming pass
+(``select_above``) instead of a selection.
+
+Both are deterministic functions of their inputs and their state: ranks that hold the same data
+and the same state make the same choice, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import spardl_kernels as K
+
+__all__ = ["Selector", "ExactSelector", "ThresholdSelector", "make_selector", "SELECTORS"]
+
+
+def _check_x_k(x, k):
+    x = np.asarray(x)
+    if x.ndim != 1:
+        raise ValueError(f"x must be 1-D, got shape {x.shape}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"k must be an integer, got {type(k).__name__}")
+    if not 0 <= k <= x.shape[0]:
+        raise ValueError(f"k must be in [0, len(x)={x.shape[0]}], got {k}")
+    return x, int(k)
+
+
+def _empty(x):
+    return np.empty(0, dtype=np.int64), np.empty(0, dtype=x.dtype)
+
+
+class Selector:
+    """Base class: choose about k entries of largest magnitude of a 1-D array.
+
+    Subclasses implement :meth:`select` and :meth:`max_count`; the state methods default to
+    "no state".
+    """
+
+    kind = "base"
+
+    def select(self, x, k, key=0) -> tuple[np.ndarray, np.ndarray]:
+        """Select entries of ``x`` of large magnitude.
+
+        Parameters
+        ----------
+        x : ndarray of shape (n,), float16, float32 or float64
+            A block or a whole vector.
+        k : int
+            The budget, 0 ≤ k ≤ n.
+        key : hashable, default 0
+            The stream whose state is reused across steps (e.g. the block id). One call per
+            key per step.
+
+        Returns
+        -------
+        indices : int64 ndarray of shape (c,), ascending, relative to ``x``
+            c ≤ :meth:`max_count` (k).
+        values : ndarray of shape (c,), x's dtype
+            ``x[indices]``, with their sign.
+
+        Raises
+        ------
+        ValueError
+            If ``x`` is not 1-D or k is outside [0, n].
+        TypeError
+            If k is not an integer.
+        """
+        raise NotImplementedError
+
+    def max_count(self, k: int) -> int:
+        """Upper bound of ``len(indices)`` returned for budget ``k`` (sizes receive buffers)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """The selector's state, to checkpoint (plain Python and NumPy values)."""
+        return {"kind": self.kind}
+
+    def load_state_dict(self, state) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises
+        ------
+        ValueError
+            If ``state`` was saved by another kind of selector.
+        """
+        if not isinstance(state, dict) or state.get("kind") != self.kind:
+            got = state.get("kind") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"selector state is for {got!r}, this selector is {self.kind!r}")
+
+
+class ExactSelector(Selector):
+    """The exact top-k by magnitude (``spardl_kernels.topk_abs``); stateless.
+
+    Ties go to the lower index and NaN ranks above +inf (DESIGN.md §3), so every rank agrees.
+    ``max_count(k) = k``.
+    """
+
+    kind = "exact"
+
+    def select(self, x, k, key=0):
+        x, k = _check_x_k(x, k)
+        if k == 0:
+            return _empty(x)
+        return K.topk_abs(x, k)
+
+    def max_count(self, k: int) -> int:
+        return int(k)
+
+
+class ThresholdSelector(Selector):
+    """Top-k by a magnitude threshold reused between exact recomputations (Ok-Topk style).
+
+    Per key the selector keeps a threshold t and a call counter c.
+
+    * Every ``interval``-th call for a key (c ≡ 0 mod ``interval``; always the first call, and
+      whenever k or len(x) changed since the last call), the exact top-k is returned and
+      t = ``kth_largest_abs(x, k)``.
+    * Otherwise ``select_above(x, t)`` is returned (count c_t). If c_t > ``max_count(k)`` it falls
+      back to the exact top-k and recomputes t exactly. Else t is nudged for the next call:
+      t ← t · clip(((c_t + 1)/(k + 1))^γ, 1/2, 2) with γ = ``nudge``. A count above k raises
+      t, a count below lowers it; the +1 keeps an empty selection from collapsing t to 0, and the
+      clip bounds one step's change to a factor of two.
+    * A threshold that is not a finite positive number (all-zero or non-finite data at the last
+      exact step) is not reused: that call is exact.
+
+    So every call returns at most ``max_count(k) = ⌈k·(1 + slack)⌉`` entries, and
+    at least k entries on the exact calls.
+
+    Parameters
+    ----------
+    interval : int, default 32
+        τ', calls between exact recomputations (Ok-Topk's default), ≥ 1. 1 means always exact.
+    slack : float, default 0.25
+        Allowed excess of a reused threshold's count over k, ≥ 0.
+    nudge : float, default 0.5
+        γ, exponent of the multiplicative nudge, in [0, 1] (0 disables nudging).
+
+    Raises
+    ------
+    ValueError, TypeError
+        Naming the option, if it is out of range or of the wrong type.
+
+    Notes
+    -----
+    Ok-Topk, arXiv 2201.07598, Sec. 3.1.1 (threshold reuse between exact top-k every τ' steps).
+    The nudge is this project's rule.
+    """
+
+    kind = "threshold"
+
+    def __init__(self, interval: int = 32, slack: float = 0.25, nudge: float = 0.5):
+        if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)):
+            raise TypeError(f"interval must be an integer, got {type(interval).__name__}")
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        for name, v, hi in (("slack", slack, math.inf), ("nudge", nudge, 1.0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)):
+                raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+            if not 0 <= v <= hi:
+                raise ValueError(f"{name} must be in [0, {hi}], got {v}")
+        self.interval = int(interval)
+        self.slack = float(slack)
+        self.nudge = float(nudge)
+        # key -> [threshold (float), calls (int), k (int), n (int)]
+        self._keys: dict = {}
+
+    def max_count(self, k: int) -> int:
+        return int(math.ceil(int(k) * (1.0 + self.slack)))
+
+    def _exact(self, x, k, st):
+        st[0] = float(K.kth_largest_abs(x, k))
+        return K.topk_abs(x, k)
+
+    def select(self, x, k, key=0):
+        x, k = _check_x_k(x, k)
+        n = x.shape[0]
+        st = self._keys.get(key)
+        if st is None or st[2] != k or st[3] != n:
+            st = self._keys[key] = [math.nan, 0, k, n]
+        calls = st[1]
+        st[1] = calls + 1
+        if k == 0:
+            return _empty(x)
+        t = st[0]
+        if calls % self.interval == 0 or not (math.isfinite(t) and t > 0):
+            return self._exact(x, k, st)
+        idx, vals = K.select_above(x, t)
+        c = idx.shape[0]
+        if c > self.max_count(k):
+            return self._exact(x, k, st)
+        factor = ((c + 1) / (k + 1)) ** self.nudge
+        st[0] = t * min(2.0, max(0.5, factor))
+        return idx, vals
+
+    def state_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "interval": self.interval,
+            "slack": self.slack,
+            "nudge": self.nudge,
+            "keys": [(key, list(v)) for key, v in self._keys.items()],
+        }
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        for name in ("interval", "slack", "nudge"):
+            if state.get(name) != getattr(self, name):
+                raise ValueError(
+                    f"selector state has {name}={state.get(name)!r}, "
+                    f"this selector has {getattr(self, name)!r}"
+                )
+        self._keys = {
+            (tuple(key) if isinstance(key, list) else key): [float(v[0]), int(v[1]), int(v[2]),
+                                                             int(v[3])]
+            for key, v in state["keys"]
+        }
+
+
+SELECTORS = {"exact": ExactSelector, "threshold": ThresholdSelector}
+
+
+def make_selector(kind: str, **opts) -> Selector:
+    """A selector by name.
+
+    Parameters
+    ----------
+    kind : {"exact", "threshold"}
+        :class:`ExactSelector` or :class:`ThresholdSelector`.
+    **opts
+        The selector's options (``interval``, ``slack``, ``nudge`` for "threshold"; none for
+        "exact").
+
+    Returns
+    -------
+    Selector
+
+    Raises
+    ------
+    ValueError
+        Naming ``selector`` if ``kind`` is unknown; naming the option if an option is out of range.
+    TypeError
+        Naming the option if it is unknown for this kind or of the wrong type.
+    """
+    cls = SELECTORS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {kind!r}")
+    if cls is ExactSelector and opts:
+        raise TypeError(f"selector 'exact' takes no options, got {sorted(opts)}")
+    allowed = {"interval", "slack", "nudge"}
+    unknown = set(opts) - allowed
+    if unknown:
+        raise TypeError(
+            f"selector {kind!r}: unknown option(s) {sorted(unknown)}; accepted: {sorted(allowed)}"
+        )
+    return cls(**opts)
