@@ -61,7 +61,8 @@ class SparseResult:
             out = np.zeros(self.n, dtype=self.values.dtype)
         else:
             if getattr(out, "shape", None) != (self.n,):
-                raise ValueError(f"out must have shape ({self.n},), got {getattr(out, 'shape', None)}")
+                got = getattr(out, "shape", None)
+                raise ValueError(f"out must have shape ({self.n},), got {got}")
             out[...] = 0
         out[self.indices] = self.values
         return out

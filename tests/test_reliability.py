@@ -14,7 +14,8 @@ import spardl
 @pytest.mark.parametrize("algorithm", sorted(spardl.ALGORITHMS))
 @pytest.mark.parametrize("mode", ["context", "mpi4py"])
 def test_a_failing_rank_ends_the_job(algorithm, mode):
-    args = ["tests/scripts/fault_injection.py", algorithm, "context" if mode == "context" else "plain"]
+    script_mode = "context" if mode == "context" else "plain"
+    args = ["tests/scripts/fault_injection.py", algorithm, script_mode]
     if mode == "mpi4py":
         args = ["-m", "mpi4py", *args]
     t0 = time.monotonic()

@@ -1,0 +1,291 @@
+"""The ``spardl`` command line: ``spardl {train,demo,info}`` (``python -m spardl`` too).
+
+Each subcommand is one ``add_<name>(subparsers)`` function that registers its parser and sets
+``func`` (called with the parsed arguments, returns an exit code). To add a subcommand, write such
+a function and append it to :data:`COMMANDS`. Keep module-level imports light: ``spardl --help``
+must not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+__all__ = ["COMMANDS", "build_parser", "main", "mpiexec_path", "run_collective"]
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def run_collective(fn, *args) -> int:
+    """Run ``fn(*args, world)`` on every rank; an exception on any rank ends the whole job.
+
+    Under ``mpiexec`` a rank that raises would leave the others blocked in their next collective,
+    so the failing rank prints its traceback and aborts the MPI job (every rank exits non-zero
+    within seconds). In a single process the exception is printed and the exit code is 1.
+    """
+    world = _world()
+    try:
+        fn(*args, world)
+        return 0
+    except BaseException as e:  # noqa: BLE001 - any failure must end every rank
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            return 0
+        sys.stdout.flush()
+        print(f"[rank {world.Get_rank()}] spardl: unhandled error, aborting the job",
+              file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        if world.Get_size() > 1:
+            from .comm import Comm
+
+            Comm(world, dup=False).abort(1)
+        return 1
+
+
+# -- train -------------------------------------------------------------------------------------
+def add_train(sub) -> None:
+    """``spardl train``: data-parallel CNN training on the digits data (under mpiexec)."""
+    from . import train
+
+    p = sub.add_parser(
+        "train",
+        help="data-parallel training on real data (run under mpiexec -n P)",
+        description="Data-parallel training of a small CNN on scikit-learn's digits (8x8 "
+                    "images), each MPI rank on its shard, gradients averaged by a spardl "
+                    "allreducer. Run as: mpiexec -n 4 python -m spardl train --out runs/x",
+    )
+    train.add_arguments(p)
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args) -> int:
+    from . import train
+
+    return run_collective(train.run, args)
+
+
+# -- demo --------------------------------------------------------------------------------------
+def mpiexec_path() -> str:
+    """The ``mpiexec`` beside this Python (the ``mpich`` wheel in a venv), else on PATH.
+
+    Raises
+    ------
+    FileNotFoundError
+        If there is none.
+    """
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError("no mpiexec beside this Python or on PATH (pip install mpich)")
+    return found
+
+
+def launch_train(world_size: int, train_args: list[str], timeout: float) -> float:
+    """Run ``mpiexec -n P python -m spardl train ARGS``; returns its wall time in seconds.
+
+    Raises
+    ------
+    RuntimeError
+        If the job exits non-zero or runs past ``timeout`` seconds.
+    """
+    cmd = [mpiexec_path(), "-n", str(world_size), sys.executable, "-m", "spardl", "train",
+           *train_args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    print("$ " + " ".join(cmd[0:1] + cmd[1:3] + ["python"] + cmd[4:]), flush=True)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"training job timed out after {timeout:.0f} s") from e
+    if proc.returncode != 0:
+        raise RuntimeError(f"training job exited with code {proc.returncode}")
+    return time.perf_counter() - t0
+
+
+def add_demo(sub) -> None:
+    """``spardl demo``: SparDL at 1% beside the dense baseline (what ``make train`` runs)."""
+    p = sub.add_parser(
+        "demo",
+        help="train with SparDL at 1%% density and with the dense baseline, compare",
+        description="Spawns mpiexec -n P python -m spardl train twice (SparDL at the given "
+                    "density, then the dense allreduce), same seed and epochs, and prints "
+                    "accuracy, bytes per rank and wall time side by side.",
+    )
+    p.add_argument("--world-size", "-n", type=int, default=4, help="P (default: %(default)s)")
+    p.add_argument("--density", type=float, default=0.01, help="default: %(default)s")
+    p.add_argument("--epochs", type=int, default=None, help="default: the train default")
+    p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    p.add_argument("--out", type=Path, default=Path("runs"), help="default: %(default)s")
+    p.add_argument("--timeout", type=float, default=900, help="per run, seconds")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args) -> int:
+    import json
+
+    if args.world_size < 1:
+        print(f"spardl demo: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        return 2
+    common = ["--seed", str(args.seed)]
+    if args.epochs is not None:
+        common += ["--epochs", str(args.epochs)]
+    runs = [("spardl", ["--algorithm", "spardl", "--density", str(args.density)]),
+            ("dense", ["--algorithm", "dense"])]
+    rows = []
+    for name, extra in runs:
+        out = args.out / f"{name}-P{args.world_size}"
+        try:
+            wall = launch_train(args.world_size, [*extra, *common, "--out", str(out)],
+                                args.timeout)
+        except (RuntimeError, FileNotFoundError) as e:
+            print(f"spardl demo: {name}: {e}", file=sys.stderr)
+            return 1
+        m = json.loads((out / "metrics.json").read_text())
+        rows.append((name, m, wall, out))
+    print()
+    print(f"P = {args.world_size}, seed {args.seed}, {rows[0][1]['epochs']} epochs, "
+          f"{rows[0][1]['n_params']} parameters")
+    head = f"{'algorithm':<10} {'density':>8} {'test acc':>9} {'MB sent/rank':>13} " \
+           f"{'train s':>8} {'job s':>7}"
+    print(head)
+    print("-" * len(head))
+    for name, m, wall, _ in rows:
+        dens = f"{m['density']:.3g}" if name != "dense" else "1"
+        print(f"{name:<10} {dens:>8} {m['final_test_accuracy']:>9.2%} "
+              f"{m['bytes_sent_per_rank'] / 1e6:>13.3f} {m['wall_seconds']:>8.1f} {wall:>7.1f}")
+    ratio = rows[0][1]["bytes_sent_per_rank"] / max(rows[1][1]["bytes_sent_per_rank"], 1)
+    print(f"\nSparDL sends {ratio:.2%} of the dense allreduce's bytes per rank "
+          f"({1 / max(ratio, 1e-12):.1f}x less).")
+    print("Metrics and plots: " + ", ".join(str(r[3]) for r in rows))
+    return 0
+
+
+# -- info --------------------------------------------------------------------------------------
+def _version(module: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(module)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def add_info(sub) -> None:
+    """``spardl info``: versions, MPI library, CPU threads and GPUs."""
+    p = sub.add_parser("info", help="versions, MPI library, CPUs and GPUs")
+    p.set_defaults(func=_cmd_info)
+
+
+def info_lines() -> list[tuple[str, str]]:
+    """(label, value) pairs printed by ``spardl info``."""
+    import numba
+    import numpy
+
+    import spardl
+
+    rows = [
+        ("spardl", spardl.__version__),
+        ("python", platform.python_version()),
+        ("platform", platform.platform()),
+        ("numpy", numpy.__version__),
+        ("numba", numba.__version__),
+        ("numba-cuda", _version("numba-cuda") or "not installed"),
+    ]
+    try:
+        import mpi4py
+        from mpi4py import MPI
+
+        lib = MPI.Get_library_version().strip().splitlines()[0]
+        rows += [
+            ("mpi4py", mpi4py.__version__),
+            ("MPI library", lib),
+            ("MPI vendor", "{} {}".format(MPI.get_vendor()[0],
+                                          ".".join(map(str, MPI.get_vendor()[1])))),
+            ("MPI standard", "{}.{}".format(*MPI.Get_version())),
+        ]
+    except ImportError as e:
+        rows.append(("mpi4py", f"not available ({e})"))
+    rows.append(("mpiexec", _which_mpiexec()))
+    try:
+        import torch
+
+        rows.append(("torch", torch.__version__))
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        rows.append(("GPUs (torch.cuda)", ", ".join(gpus) if gpus else "none"))
+    except ImportError:
+        rows.append(("torch", "not installed"))
+    rows.append(("GPUs (numba)", _numba_gpus()))
+    rows.append(("CPU threads", f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})"
+                 if hasattr(os, "sched_getaffinity") else str(os.cpu_count())))
+    rows.append(("CUDA-aware MPI", "unknown (detection not implemented yet)"))
+    return rows
+
+
+def _which_mpiexec() -> str:
+    try:
+        return mpiexec_path()
+    except FileNotFoundError:
+        return "not found"
+
+
+def _numba_gpus() -> str:
+    try:
+        from numba import cuda
+
+        if not cuda.is_available():
+            return "none"
+        return ", ".join(
+            f"{d.name.decode() if isinstance(d.name, bytes) else d.name}" for d in cuda.gpus
+        )
+    except Exception as e:  # noqa: BLE001 - a broken driver must not break `info`
+        return f"none ({type(e).__name__})"
+
+
+def _cmd_info(args) -> int:
+    rows = info_lines()
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+#: Subcommand registrars, in help order. Append ``add_<name>`` to add a subcommand.
+COMMANDS = [add_train, add_demo, add_info]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``spardl`` parser with every subcommand of :data:`COMMANDS`."""
+    import spardl
+
+    parser = argparse.ArgumentParser(
+        prog="spardl",
+        description="Sparse gradient allreduce (SparDL, Ok-Topk and peers) over MPI.",
+    )
+    parser.add_argument("--version", action="version", version=f"spardl {spardl.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``spardl`` and ``python -m spardl``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""`spardl train` under mpiexec: smoke run, metrics, checkpoint/resume bit for bit, failures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mpirun import ROOT, run_mpi
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.mpi
+
+ENV = {"PYTHONPATH": str(ROOT)}
+# Small and fast: P = 2, a narrow model, SparDL at 1%.
+COMMON = ["-m", "spardl", "train", "--algorithm", "spardl", "--density", "0.01",
+          "--width", "4", "--batch-size", "32", "--seed", "3", "--no-progress"]
+REQUIRED = {"algorithm", "world_size", "density", "epochs", "final_test_accuracy",
+            "wall_seconds", "bytes_sent_per_rank", "history"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.fixture(scope="module")
+def one_epoch(runs):
+    """One epoch of a 2-epoch run, stopped as if interrupted, with --out and --checkpoint
+    (also the first half of the resume test)."""
+    proc = run_mpi(2, [*COMMON, "--epochs", "2", "--stop-after", "1", "--out", str(runs / "one"),
+                       "--checkpoint", str(runs / "ck1")], timeout=240, env=ENV)
+    return proc
+
+
+def test_smoke_one_epoch_writes_metrics(one_epoch, runs):
+    m = json.loads((runs / "one" / "metrics.json").read_text())
+    assert REQUIRED <= set(m)
+    assert m["algorithm"] == "spardl" and m["world_size"] == 2 and m["density"] == 0.01
+    assert m["epochs"] == 2 and len(m["history"]) == 1
+    assert 0.0 <= m["final_test_accuracy"] <= 1.0
+    assert m["final_test_accuracy"] == m["history"][-1]["test_accuracy"]
+    assert m["final_test_accuracy"] > 0.1  # better than chance after one epoch
+    assert m["bytes_sent_per_rank"] > 0 and m["wall_seconds"] > 0
+    assert len(m["bytes_sent_by_rank"]) == 2
+    png = runs / "one" / "training.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "epoch   1/2" in one_epoch.stdout
+    for r in range(2):
+        assert (runs / f"ck1.rank{r}.pt").exists()
+
+
+def _load(path):
+    return torch.load(path, weights_only=False)
+
+
+def test_resume_equals_uninterrupted_bit_for_bit(one_epoch, runs):
+    run_mpi(2, [*COMMON, "--epochs", "2", "--checkpoint", str(runs / "full")],
+            timeout=240, env=ENV)
+    run_mpi(2, [*COMMON, "--epochs", "2", "--resume", str(runs / "ck1"),
+                "--checkpoint", str(runs / "resumed")], timeout=240, env=ENV)
+    for r in range(2):
+        full = _load(runs / f"full.rank{r}.pt")
+        res = _load(runs / f"resumed.rank{r}.pt")
+        assert full["epoch"] == res["epoch"] == 2
+        for name, t in full["model"].items():
+            assert torch.equal(t, res["model"][name]), f"rank {r}: parameter {name} differs"
+        mom_full = full["optimizer"]["state"]
+        mom_res = res["optimizer"]["state"]
+        assert mom_full.keys() == mom_res.keys() and mom_full
+        for key in mom_full:
+            assert torch.equal(mom_full[key]["momentum_buffer"], mom_res[key]["momentum_buffer"])
+        ar_full, ar_res = full["reducer"]["allreducer"], res["reducer"]["allreducer"]
+        assert ar_full["step"] == ar_res["step"] > 0
+        assert ar_full["residual"].tobytes() == ar_res["residual"].tobytes()
+        assert abs(ar_full["residual"]).max() > 0  # residuals are really carried
+        assert full["reducer"]["stats"]["bytes_sent"] == res["reducer"]["stats"]["bytes_sent"]
+        assert [h["loss"] for h in full["history"]] == [h["loss"] for h in res["history"]]
+
+
+def test_bad_argument_fails_every_rank_quickly(runs):
+    proc = run_mpi(2, [*COMMON, "--epochs", "1", "--density", "1.5"], timeout=120, env=ENV,
+                   check=False)
+    assert proc.returncode != 0
+    assert "density must be in (0, 1]" in proc.stderr
+
+
+def test_exception_on_one_rank_aborts_the_job():
+    proc = run_mpi(2, ["tests/scripts/fail_one_rank.py"], timeout=60, env=ENV, check=False)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr
+    assert "rank 0 passed the collective" not in proc.stdout
+
+
+def test_info_lists_versions_and_mpi():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "spardl", "info"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    labels = {line.split("  ")[0].strip() for line in proc.stdout.splitlines()}
+    assert {"spardl", "numpy", "numba", "mpi4py", "MPI library", "torch", "CPU threads",
+            "CUDA-aware MPI"} <= labels
