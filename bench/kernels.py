@@ -1,0 +1,179 @@
+"""Benchmark of the CPU kernels against memory bandwidth and the usual peers.
+
+Data: the gradients of a small torch MLP + CNN after one backward pass, concatenated and tiled to
+n (each tile scaled by its own log-normal factor, so tiles are not exact copies), float32; k is
+1% of n. Every timing is the median of --repeat runs after one warm-up call (which also compiles).
+
+    python bench/kernels.py --sizes 1048576 25000000 --repeat 7
+
+Prints one table per n with times and the ratios the project's goals are stated in
+(docs/performance.md, "Kernels"), and the measured error of estimate_threshold.
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+import spardl_kernels as sk
+
+
+def gradient_like(n, seed=0):
+    """Real gradients of a small MLP + CNN (one backward pass), tiled to length n."""
+    import torch
+
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 8 * 8, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 10),
+    )
+    images = torch.randn(64, 3, 32, 32)
+    labels = torch.randint(0, 10, (64,))
+    torch.nn.functional.cross_entropy(net(images), labels).backward()
+    g = torch.cat([p.grad.reshape(-1) for p in net.parameters()]).numpy().astype(np.float32)
+    rng = np.random.default_rng(seed)
+    tiles = -(-n // g.shape[0])
+    scale = rng.lognormal(0.0, 0.5, tiles).astype(np.float32)
+    x = (g[None, :] * scale[:, None]).reshape(-1)[:n]
+    return np.ascontiguousarray(x), g.shape[0]
+
+
+def timeit(fn, repeat):
+    fn()  # warm-up (and compile)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sorted_pairs(rng, m, n):
+    idx = np.sort(rng.choice(n, m, replace=False)).astype(np.int64)
+    return idx, rng.standard_normal(m).astype(np.float32)
+
+
+def bench_size(n, repeat, density, torch_threads):
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    x, n_params = gradient_like(n)
+    k = max(1, int(density * n))
+    dst = np.empty_like(x)
+    xt = torch.from_numpy(x)
+    t_kth = sk.kth_largest_abs(x, k)
+
+    rows = {}
+    rows["np.copyto(x)"] = timeit(lambda: np.copyto(dst, x), repeat)
+    rows["topk_abs"] = timeit(lambda: sk.topk_abs(x, k), repeat)
+    rows["kth_largest_abs"] = timeit(lambda: sk.kth_largest_abs(x, k), repeat)
+    rows["select_above(x, kth)"] = timeit(lambda: sk.select_above(x, t_kth), repeat)
+    rows["count_above(x, kth)"] = timeit(lambda: sk.count_above(x, t_kth), repeat)
+    rows["estimate_threshold"] = timeit(lambda: sk.estimate_threshold(x, k), repeat)
+    rows["np.argpartition(|x|, n-k)"] = timeit(lambda: np.argpartition(np.abs(x), n - k), repeat)
+    rows["torch.topk(|x|, k)"] = timeit(lambda: torch.topk(xt.abs(), k), repeat)
+
+    # merge of two sorted lists of 250,000 (int64, float32) pairs each
+    rng = np.random.default_rng(1)
+    m = 250_000
+    ia, va = sorted_pairs(rng, m, 40 * m)
+    ib, vb = sorted_pairs(rng, m, 40 * m)
+    pair_bytes = np.empty(ia.nbytes + va.nbytes + ib.nbytes + vb.nbytes, np.uint8)
+    pair_dst = np.empty_like(pair_bytes)
+
+    def unique_add_at():
+        i = np.concatenate([ia, ib])
+        u, inv = np.unique(i, return_inverse=True)
+        out = np.zeros(u.shape[0], np.float32)
+        np.add.at(out, inv, np.concatenate([va, vb]))
+        return u, out
+
+    rows["np.copyto(pair bytes)"] = timeit(lambda: np.copyto(pair_dst, pair_bytes), repeat)
+    rows["merge_add 2x250k"] = timeit(lambda: sk.merge_add(ia, va, ib, vb), repeat)
+    rows["np.unique+np.add.at 2x250k"] = timeit(unique_add_at, repeat)
+    ci = np.concatenate([ia, ib])
+    cv = np.concatenate([va, vb])
+    rows["coalesce 500k (unsorted)"] = timeit(lambda: sk.coalesce(ci, cv), repeat)
+
+    ratios = [
+        ("select_above / copyto", rows["select_above(x, kth)"] / rows["np.copyto(x)"], "<= 0.75"),
+        ("topk_abs / copyto", rows["topk_abs"] / rows["np.copyto(x)"], "<= 3"),
+        (
+            "topk_abs / argpartition",
+            rows["topk_abs"] / rows["np.argpartition(|x|, n-k)"],
+            "<= 0.25",
+        ),
+        ("topk_abs / torch.topk", rows["topk_abs"] / rows["torch.topk(|x|, k)"], "<= 0.10"),
+        (
+            "merge_add / copyto(same bytes)",
+            rows["merge_add 2x250k"] / rows["np.copyto(pair bytes)"],
+            "<= 3",
+        ),
+        (
+            "merge_add / (unique+add.at)",
+            rows["merge_add 2x250k"] / rows["np.unique+np.add.at 2x250k"],
+            "report",
+        ),
+    ]
+
+    # estimate_threshold: relative error against the exact threshold over 20 seeds
+    rel = []
+    cnt = []
+    for seed in range(20):
+        est = sk.estimate_threshold(x, k, seed=seed)
+        rel.append(abs(est / float(t_kth) - 1.0))
+        cnt.append(sk.count_above(x, est) / k)
+    return n, k, n_params, rows, ratios, rel, cnt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[2**20, 25_000_000])
+    ap.add_argument("--repeat", type=int, default=7, help="timed runs per entry (median)")
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--torch-threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"numpy {np.__version__}, median of {args.repeat} after warm-up, float32, "
+        f"density {args.density}, torch threads {args.torch_threads}"
+    )
+    for n in args.sizes:
+        n, k, n_params, rows, ratios, rel, cnt = bench_size(
+            n, args.repeat, args.density, args.torch_threads
+        )
+        print(
+            f"\n## n = {n:,}  k = {k:,}  (gradients of a {n_params:,}-parameter MLP+CNN, tiled)\n"
+        )
+        print("| kernel | median ms |")
+        print("|---|---:|")
+        for name, t in rows.items():
+            print(f"| {name} | {t * 1e3:.3f} |")
+        print("\n| ratio | measured | goal |")
+        print("|---|---:|---|")
+        for name, r, goal in ratios:
+            print(f"| {name} | {r:.3f} | {goal} |")
+        rel = np.array(rel)
+        cnt = np.array(cnt)
+        print(
+            f"\nestimate_threshold (default sample, 20 seeds): |est/exact - 1| median "
+            f"{np.median(rel):.4f}, max {rel.max():.4f}; count_above(x, est)/k in "
+            f"[{cnt.min():.3f}, {cnt.max():.3f}], median {np.median(cnt):.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
