@@ -145,11 +145,33 @@ def main():
     ap.add_argument("--repeat", type=int, default=7, help="timed runs per entry (median)")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--torch-threads", type=int, default=os.cpu_count())
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="spardl_kernels.config.CPU_THREADS (default: Numba's, NUMBA_NUM_THREADS)",
+    )
+    ap.add_argument(
+        "--merge-parallel-min",
+        type=int,
+        default=None,
+        help="spardl_kernels.config.MERGE_PARALLEL_MIN (default: the config's, threaded merge off)",
+    )
     args = ap.parse_args()
+    import numba
+
+    from spardl_kernels import config
+
+    config.CPU_THREADS = args.threads
+    if args.merge_parallel_min is not None:
+        config.MERGE_PARALLEL_MIN = args.merge_parallel_min
+    threads = args.threads if args.threads is not None else numba.get_num_threads()
     print(
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"numpy {np.__version__}, median of {args.repeat} after warm-up, float32, "
-        f"density {args.density}, torch threads {args.torch_threads}"
+        f"density {args.density}, torch threads {args.torch_threads}, kernel threads {threads} "
+        f"(select_above/count_above from n = {config.SELECT_PARALLEL_MIN_N:,}, merge_add from "
+        f"{config.MERGE_PARALLEL_MIN:,} pairs), load average {os.getloadavg()[0]:.1f}"
     )
     for n in args.sizes:
         n, k, n_params, rows, ratios, rel, cnt = bench_size(

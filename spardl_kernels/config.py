@@ -38,11 +38,29 @@ WINDOW_SAMPLE_MIN = 1024
 WINDOW_SAMPLE_MAX = 16384
 WINDOW_SIGMAS = 4.0
 
+# --- CPU threads (select_above, count_above, merge_add) -----------------------------------------
+# Threads of the multithreaded CPU workers. None: Numba's current setting (numba.get_num_threads(),
+# NUMBA_NUM_THREADS by default); an int is capped by NUMBA_NUM_THREADS. Each thread takes one
+# contiguous part of the input and the parts are joined in order, so results are identical for
+# every thread count. With several MPI ranks per node, set NUMBA_NUM_THREADS (e.g. cores / ranks,
+# or 1) before the first import of numba: ranks x threads above the core count makes every
+# parallel call wait on descheduled threads (tests/mpirun.py sets 1).
+CPU_THREADS = None
+# Below these sizes the serial workers run (waking the thread pool costs more than it saves):
+# n for select_above/count_above, len(ia) + len(ib) for merge_add.
+SELECT_PARALLEL_MIN_N = 1 << 18
+# The threaded merge_add is off by default (2**62): on the shared 2-core test machine its merge
+# loop took 0.5 ms for 2 x 250,000 pairs against 1.0 ms on one thread, but waking the pool and
+# moving the parts over the gaps made whole calls slower than the serial path (docs/performance.md,
+# "Kernels"). Set e.g. 1 << 16 on a machine with idle cores.
+MERGE_PARALLEL_MIN = 1 << 62
+
 # --- select_above ------------------------------------------------------------------------------
-# select_above writes indices in one pass, chunk by chunk, with a branch-free store; the output
-# buffer is checked (and grown) once per chunk of this many elements.
+# select_above writes (index, value) pairs in one pass, chunk by chunk, with a branch-free store;
+# room in the output buffer is checked once per chunk of this many elements.
 SELECT_CHUNK = 4096
-# First capacity of the output buffer, as a fraction of n (grown by doubling when exceeded).
+# Capacity of the output buffer of each part, as a fraction of its length (plus one chunk). When
+# a part holds more hits, the call is redone once with room for every element (lazily committed).
 SELECT_INITIAL_FRACTION = 1.0 / 32.0
 
 # --- estimate_threshold ------------------------------------------------------------------------

@@ -366,3 +366,84 @@ def test_accepts_cpu_torch_tensors_and_strided_views():
     x = np.arange(20, dtype=np.float64)[::-3]
     same_pair(sk.topk_abs(x, 3), naive.topk_abs(x, 3))
     same_pair(sk.select_above(x, 5.0), naive.select_above(x, 5.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# multithreaded CPU paths: thresholds patched down so tiny inputs take them; 1, 2 and 3 threads
+# must give the serial result bit for bit
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def threaded(threads, **names):
+    """Patch config.CPU_THREADS and the given size thresholds (the wrappers read them per call)."""
+    names["CPU_THREADS"] = threads
+    saved = {name: getattr(config, name) for name in names}
+    try:
+        for name, value in names.items():
+            setattr(config, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+@SETTINGS
+@given(
+    x=vectors(),
+    t=thresholds,
+    threads=st.sampled_from([1, 2, 3]),
+    chunk=st.sampled_from([16, 20, 4096]),
+    fraction=st.sampled_from([0.0, 1.0 / 32.0, 1.0]),
+)
+def test_select_above_and_count_above_threaded(x, t, threads, chunk, fraction):
+    # fraction 0 gives each part room for one chunk only: the redo with full room runs
+    ref = naive.select_above(x, t)
+    with threaded(
+        threads, SELECT_PARALLEL_MIN_N=0, SELECT_CHUNK=chunk, SELECT_INITIAL_FRACTION=fraction
+    ):
+        got = sk.select_above(x, t)
+        count = sk.count_above(x, t)
+        got32 = sk.select_above(x, t, index_dtype=np.int32)
+    same_pair(got, ref)
+    same_bits(got32[0], ref[0].astype(np.int32))
+    assert count == naive.count_above(x, t)
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), threads=st.sampled_from([1, 2, 3]))
+def test_merge_add_threaded(data, dtype, threads):
+    ia, va = data.draw(sparse_vectors(dtype))
+    ib, vb = data.draw(sparse_vectors(dtype))
+    if data.draw(st.booleans()):
+        ib, vb = ia.copy(), vb[: ia.shape[0]] if vb.shape[0] >= ia.shape[0] else va[::-1].copy()
+    with np.errstate(all="ignore"):
+        ref = naive.merge_add(ia, va, ib, vb)
+    with threaded(threads, MERGE_PARALLEL_MIN=0):
+        got = sk.merge_add(ia, va, ib, vb)
+    same_pair(got, ref)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_merge_add_threaded_rejects_unsorted_input(threads):
+    good = np.arange(0, 40, 2)
+    for bad in (np.array([0, 5, 5, 9]), np.array([3, 1]), np.array([-1, 2]), good[::-1].copy()):
+        with threaded(threads, MERGE_PARALLEL_MIN=0), pytest.raises(ValueError, match="ib"):
+            sk.merge_add(good, np.ones(good.shape[0]), bad, np.ones(bad.shape[0]))
+
+
+def test_large_inputs_equal_for_every_thread_count():
+    # real part sizes (several chunks and groups of 128 per part) on the default thresholds
+    rng = np.random.default_rng(7)
+    x = _numpy_vector(3, 300_001, np.float32, 1)
+    ref = naive.select_above(x, 1.0)
+    ia = np.sort(rng.choice(1_000_000, 70_000, replace=False))
+    ib = np.sort(rng.choice(1_000_000, 50_000, replace=False))
+    va = rng.standard_normal(ia.shape[0]).astype(np.float32)
+    vb = rng.standard_normal(ib.shape[0]).astype(np.float32)
+    mref = naive.merge_add(ia, va, ib, vb)
+    for threads in (1, 2):
+        with threaded(threads, MERGE_PARALLEL_MIN=1 << 16):
+            same_pair(sk.select_above(x, 1.0), ref)
+            assert sk.count_above(x, 1.0) == ref[0].shape[0]
+            same_pair(sk.merge_add(ia, va, ib, vb), mref)

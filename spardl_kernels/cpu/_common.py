@@ -1,12 +1,19 @@
-"""Helpers shared by the CPU kernel modules: array coercion and the |x| key mapping."""
+"""Helpers shared by the CPU kernel modules: array coercion, the |x| key mapping and threads."""
 
+import contextlib
+
+import numba
 import numpy as np
 
-from .. import _validate
+from .. import _validate, config
 
 # Compiled workers: cached on disk (first call compiles once per signature) and free of the
 # GIL, so callers can run kernels from several threads.
 JIT = {"cache": True, "nogil": True}
+# The few multithreaded workers (numba.prange over contiguous parts). Each part writes only its
+# own output range and the parts are joined in a fixed order, so results do not depend on the
+# thread count. They are only called for large inputs with more than one thread allowed.
+JIT_PARALLEL = {"cache": True, "nogil": True, "parallel": True}
 
 # dtype name -> (signed integer view of the same width, mask clearing the sign bit, key of +inf).
 # Key of |x| = (bits & mask), every NaN clamped to inf_key + 1: positive IEEE floats order
@@ -48,3 +55,41 @@ def key_view(x):
     """(signed-int view of x's bits, mask, inf_key, nan_key) for a checked value array."""
     view_dtype, mask, inf_key = KEY_INFO[x.dtype.name]
     return x.view(view_dtype), mask, inf_key, inf_key + 1
+
+
+def cpu_threads(size, min_size):
+    """Threads a parallel kernel may use on ``size`` elements (1 = take the serial path).
+
+    ``config.CPU_THREADS`` (None: Numba's current ``numba.get_num_threads()``), capped by
+    ``NUMBA_NUM_THREADS``; 1 when ``size < min_size``, so small inputs never wake the pool.
+    """
+    if size < min_size:
+        return 1
+    limit = numba.config.NUMBA_NUM_THREADS
+    if limit <= 1:
+        return 1
+    wanted = config.CPU_THREADS
+    if wanted is None:
+        return numba.get_num_threads()
+    return max(1, min(int(wanted), limit))
+
+
+@contextlib.contextmanager
+def numba_threads(threads):
+    """Run a parallel worker on ``threads`` threads; the caller's own setting is restored."""
+    saved = numba.get_num_threads()
+    if saved == threads:
+        yield
+        return
+    numba.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(saved)
+
+
+def part_bounds(n, parts):
+    """parts + 1 int64 bounds of near-equal contiguous parts of [0, n), first n mod parts longer."""
+    q, r = divmod(n, parts)
+    s = np.arange(parts + 1, dtype=np.int64)
+    return s * q + np.minimum(s, r)

@@ -8,10 +8,10 @@ unmatched entries of a merge) move bit patterns, so -0.0 and NaN payloads surviv
 """
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from .. import _validate
-from ._common import JIT, as_indices, as_values
+from .. import _validate, config
+from ._common import JIT, JIT_PARALLEL, as_indices, as_values, cpu_threads, numba_threads
 
 # ---------------------------------------------------------------------------------------------
 # compiled workers
@@ -37,22 +37,24 @@ def _first_not_sorted_unique(idx):
 
 
 @njit(**JIT)
-def _merge_add(ia, va, ib, vb, out_i, out_v):
-    """Merge two ascending index lists, summing a + b where they meet.
+def _merge_run(ia, va, ib, vb, a, a1, b, b1, out_i, out_v, o, last):
+    """Merge ia[a:a1] and ib[b:b1] into out_i[o:], out_v[o:], summing a + b where they meet.
 
-    Returns (count, ok) where ok is False if the output is not strictly increasing from a
-    non-negative start, which happens exactly when an input is not sorted unique and >= 0.
+    Returns (o, last, bad): the end of the output, its last index, and whether the output was
+    not strictly increasing from `last` on (which happens exactly when an input is not sorted
+    unique, or is negative while last = -1). Positions are unsigned, so indexing needs no
+    negative-index wraparound code.
     """
-    na = ia.shape[0]
-    nb = ib.shape[0]
-    a = 0
-    b = 0
-    o = 0
-    last = np.int64(-1)
+    one = np.uint64(1)
+    a = np.uint64(a)
+    a1 = np.uint64(a1)
+    b = np.uint64(b)
+    b1 = np.uint64(b1)
+    o = np.uint64(o)
     bad = False
     # The loop body is branch-free on purpose: which list advances is data dependent and
     # unpredictable, so selects beat branches.
-    while a < na and b < nb:
+    while a < a1 and b < b1:
         x = np.int64(ia[a])
         y = np.int64(ib[b])
         take_a = x <= y
@@ -61,31 +63,186 @@ def _merge_add(ia, va, ib, vb, out_i, out_v):
         u = va[a]
         w = vb[b]
         # v = va[a] + vb[b] if both, else the one taken (copied, not added to 0: keeps -0.0)
-        v = u + w if (take_a and take_b) else (u if take_a else w)
         out_i[o] = m
-        out_v[o] = v
+        out_v[o] = u + w if (take_a and take_b) else (u if take_a else w)
         bad |= m <= last
         last = m
-        a += take_a
-        b += take_b
-        o += 1
-    while a < na:
+        a += np.uint64(take_a)
+        b += np.uint64(take_b)
+        o += one
+    while a < a1:
         m = np.int64(ia[a])
         out_i[o] = m
         out_v[o] = va[a]
         bad |= m <= last
         last = m
-        a += 1
-        o += 1
-    while b < nb:
+        a += one
+        o += one
+    while b < b1:
         m = np.int64(ib[b])
         out_i[o] = m
         out_v[o] = vb[b]
         bad |= m <= last
         last = m
-        b += 1
-        o += 1
-    return o, not bad
+        b += one
+        o += one
+    return np.int64(o), last, bad
+
+
+@njit(**JIT)
+def _merge_two_parts(ia, va, ib, vb, sa, sb, p, out_i, out_v, counts, bad):
+    """Merge parts p and p + 1 (part q: ia[sa[q]:sa[q+1]] with ib[sb[q]:sb[q+1]], written from
+    out[sa[q] + sb[q]]) in one interleaved loop, into counts[q] and bad[q].
+
+    One merge step is a chain of dependent loads and compares (the next read position depends
+    on the last compare); two independent merges in one loop let the CPU overlap their chains,
+    about 1.6x the speed of one.
+    """
+    one = np.uint64(1)
+    a = np.uint64(sa[p])
+    a1 = np.uint64(sa[p + 1])
+    b = np.uint64(sb[p])
+    b1 = np.uint64(sb[p + 1])
+    c = np.uint64(sa[p + 1])
+    c1 = np.uint64(sa[p + 2])
+    d = np.uint64(sb[p + 1])
+    d1 = np.uint64(sb[p + 2])
+    o = a + b
+    q = c + d
+    last1 = np.int64(-1)
+    last2 = np.int64(-1)
+    bad1 = False
+    bad2 = False
+    # the same step as _merge_run, on both parts at once
+    while a < a1 and b < b1 and c < c1 and d < d1:
+        x1 = np.int64(ia[a])
+        y1 = np.int64(ib[b])
+        x2 = np.int64(ia[c])
+        y2 = np.int64(ib[d])
+        ta = x1 <= y1
+        tb = y1 <= x1
+        tc = x2 <= y2
+        td = y2 <= x2
+        m1 = min(x1, y1)
+        m2 = min(x2, y2)
+        u1 = va[a]
+        w1 = vb[b]
+        u2 = va[c]
+        w2 = vb[d]
+        out_i[o] = m1
+        out_v[o] = u1 + w1 if (ta and tb) else (u1 if ta else w1)
+        out_i[q] = m2
+        out_v[q] = u2 + w2 if (tc and td) else (u2 if tc else w2)
+        bad1 |= m1 <= last1
+        bad2 |= m2 <= last2
+        last1 = m1
+        last2 = m2
+        a += np.uint64(ta)
+        b += np.uint64(tb)
+        c += np.uint64(tc)
+        d += np.uint64(td)
+        o += one
+        q += one
+    end1, _, more1 = _merge_run(ia, va, ib, vb, a, a1, b, b1, out_i, out_v, o, last1)
+    end2, _, more2 = _merge_run(ia, va, ib, vb, c, c1, d, d1, out_i, out_v, q, last2)
+    counts[p] = end1 - (sa[p] + sb[p])
+    counts[p + 1] = end2 - (sa[p + 1] + sb[p + 1])
+    bad[p] = bad1 | more1
+    bad[p + 1] = bad2 | more2
+
+
+@njit(**JIT)
+def _merge_splits(ia, ib, parts):
+    """Split the merge of ia and ib into `parts` independent parts of near-equal output.
+
+    Returns (sa, sb), int64 arrays of length parts + 1: part q merges ia[sa[q]:sa[q+1]] with
+    ib[sb[q]:sb[q+1]]. Merge path (Odeh et al., "Merge Path", IPDPSW 2012): on diagonal
+    D = sa + sb of the (a before b on ties) merge order, binary search for the number of entries of
+    ia among the first D merged. A split between a matching pair (ia[a-1] == ib[b]) moves ib[b]
+    into the earlier part, so each index lives in one part. On invalid (unsorted) input the
+    splits are still monotone and in range; the merge then reports the error.
+    """
+    na = ia.shape[0]
+    nb = ib.shape[0]
+    total = na + nb
+    sa = np.zeros(parts + 1, np.int64)
+    sb = np.zeros(parts + 1, np.int64)
+    for p in range(1, parts):
+        diag = (total // parts) * p + min(p, total % parts)
+        lo = max(0, diag - nb)
+        hi = min(diag, na)
+        # smallest a in [lo, hi] with not (ia[a] <= ib[diag - a - 1])
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if np.int64(ia[mid]) <= np.int64(ib[diag - mid - 1]):
+                lo = mid + 1
+            else:
+                hi = mid
+        a = lo
+        b = diag - a
+        if a > 0 and b < nb and np.int64(ia[a - 1]) == np.int64(ib[b]):
+            b += 1
+        sa[p] = max(a, sa[p - 1])
+        sb[p] = max(b, sb[p - 1])
+    sa[parts] = na
+    sb[parts] = nb
+    return sa, sb
+
+
+@njit(**JIT)
+def _merge_add(ia, va, ib, vb, out_i, out_v):
+    """Serial merge in two interleaved merge-path parts, written from out[0] and out[start].
+
+    Returns (count0, start, count1, ok); ok is False if the output is not strictly increasing
+    from a non-negative start, which happens exactly when an input is not sorted unique and
+    >= 0. Where part 0 held matched pairs, count0 < start and the caller moves part 1 down.
+    """
+    sa, sb = _merge_splits(ia, ib, 2)
+    counts = np.zeros(2, np.int64)
+    bad = np.zeros(2, np.bool_)
+    _merge_two_parts(ia, va, ib, vb, sa, sb, 0, out_i, out_v, counts, bad)
+    start = sa[1] + sb[1]
+    ok = not (bad[0] or bad[1])
+    if counts[0] > 0 and counts[1] > 0:
+        ok &= out_i[counts[0] - 1] < out_i[start]
+    return counts[0], start, counts[1], ok
+
+
+@njit(**JIT_PARALLEL)
+def _merge_pairs_parallel(ia, va, ib, vb, sa, sb, out_i, out_v, counts, bad):
+    """Every pair of parts (2t, 2t + 1) on its own thread; parts write disjoint ranges."""
+    for t in prange(counts.shape[0] // 2):
+        _merge_two_parts(ia, va, ib, vb, sa, sb, 2 * t, out_i, out_v, counts, bad)
+
+
+def _merge_add_parallel(ia, va, ib, vb, out_i, out_v, threads):
+    """Merge on `threads` threads: 2 * threads merge-path parts, interleaved in pairs; each part
+    writes at its diagonal (an upper bound of its output position), then parts are moved down
+    over the gaps that matched pairs left. Returns (indices, values, ok), views of out_i, out_v."""
+    parts = 2 * threads
+    sa, sb = _merge_splits(ia, ib, parts)
+    counts = np.zeros(parts, np.int64)
+    bad = np.zeros(parts, np.bool_)
+    with numba_threads(threads):
+        _merge_pairs_parallel(ia, va, ib, vb, sa, sb, out_i, out_v, counts, bad)
+    starts = sa + sb
+    ok = not bad.any()
+    # strictly increasing across part boundaries too
+    ends = starts[:-1] + counts
+    nonempty = np.flatnonzero(counts)
+    if nonempty.shape[0] > 1:
+        ok &= bool((out_i[ends[nonempty[:-1]] - 1] < out_i[starts[nonempty[1:]]]).all())
+    total = int(counts.sum())
+    # Move each part down to its final offset, in part order (a second parallel region costs a
+    # thread wake-up, often more than these moves; NumPy copies overlapping ranges correctly).
+    o = int(counts[0])
+    for q in range(1, parts):
+        c = int(counts[q])
+        if o < starts[q]:
+            out_i[o : o + c] = out_i[starts[q] : starts[q] + c]
+            out_v[o : o + c] = out_v[starts[q] : starts[q] + c]
+        o += c
+    return out_i[:total], out_v[:total], ok
 
 
 @njit(**JIT)
@@ -194,8 +351,13 @@ def merge_add(ia, va, ib, vb):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract. One branch-free merge pass; the sorted-unique check is fused
-    into it (the output is strictly increasing iff both inputs are), so valid input is read once.
+    DESIGN.md §3 kernel contract. One branch-free merge pass, split at the merge-path diagonal
+    (Odeh et al., IPDPSW 2012) into two parts that run interleaved in one loop so that their
+    dependency chains overlap; each index (and each matched pair) lives in exactly one part, so
+    the result is that of one sequential merge. The sorted-unique check is fused into it (the
+    output is strictly increasing iff both inputs are), so valid input is read once. From
+    ``config.MERGE_PARALLEL_MIN`` pairs (off by default) 2 x ``config.CPU_THREADS`` parts run on
+    threads, with the same result.
     """
     ia = as_indices("ia", ia)
     va = as_values("va", va)
@@ -207,12 +369,20 @@ def merge_add(ia, va, ib, vb):
     idt = np.result_type(ia.dtype, ib.dtype)
     na, nb = ia.shape[0], ib.shape[0]
     out_i = np.empty(na + nb, idt)
-    if va.dtype == np.float16:
-        out_v = np.empty(na + nb, np.float32)
-        count, ok = _merge_add(ia, _as_sum_dtype(va), ib, _as_sum_dtype(vb), out_i, out_v)
+    out_v = np.empty(na + nb, np.float32 if va.dtype == np.float16 else va.dtype)
+    threads = cpu_threads(na + nb, config.MERGE_PARALLEL_MIN)
+    if threads == 1:
+        c0, start, c1, ok = _merge_add(ia, _as_sum_dtype(va), ib, _as_sum_dtype(vb), out_i, out_v)
+        if c0 < start:
+            # close the gap left by part 0's matched pairs (NumPy moves overlapping ranges right)
+            out_i[c0 : c0 + c1] = out_i[start : start + c1]
+            out_v[c0 : c0 + c1] = out_v[start : start + c1]
+        count = c0 + c1
     else:
-        out_v = np.empty(na + nb, va.dtype)
-        count, ok = _merge_add(ia, va, ib, vb, out_i, out_v)
+        out_i, out_v, ok = _merge_add_parallel(
+            ia, _as_sum_dtype(va), ib, _as_sum_dtype(vb), out_i, out_v, threads
+        )
+        count = out_i.shape[0] if ok else 0
     if not ok:
         for name, idx in (("ia", ia), ("ib", ib)):
             pos = _first_not_sorted_unique(idx)
