@@ -45,6 +45,9 @@ def _args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true",
                     help="also time each phase of spardl (selection vs communication)")
+    ap.add_argument("--check-cost", action="store_true",
+                    help="also run spardl with check=False (no cross-rank consistency check), "
+                         "to show what the check costs")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--plot", metavar="PATH.png", help="time and bytes vs density per algorithm")
     a = ap.parse_args(argv)
@@ -140,6 +143,11 @@ def main(argv=None):
             results[(alg, density)] = measure(
                 comm, lambda alg=alg, opts=opts: spardl.make(alg, comm, a.n, **opts), g,
                 a.warmup, a.repeat)
+            if a.check_cost and alg == "spardl":
+                unchecked = {**opts, "check": False}
+                results[("spardl (check=False)", density)] = measure(
+                    comm, lambda o=unchecked: spardl.make("spardl", comm, a.n, **o), g,
+                    a.warmup, a.repeat)
             if a.profile and alg == "spardl":
                 profile[density] = _profile_spardl(comm, a, g, opts)
     rows = []

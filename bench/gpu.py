@@ -9,7 +9,7 @@ and is never timed). Writes a JSON file and prints one table with the ratios beh
   (bandwidth = bytes of x read once / time; copy = bytes read + written / time);
 * ``topk_abs`` takes <= 1.0x the time of ``torch.topk(x.abs(), k, sorted=False)``.
 
-Usage (see docs/perf-gpu.md)::
+Usage (see docs/performance.md, "GPU kernels")::
 
     python bench/gpu.py results/gpu.json
     python bench/gpu.py out.json --sizes 1000000 --repeats 3     # a quick smoke run
@@ -261,19 +261,24 @@ def _one_size(n, args, timer, row, notes, t_start):
 
 
 def _spardl_step(n, x, args, timer, row, notes):
-    """One single-rank SparDL step on a GPU buffer, if the collective layer accepts one."""
+    """One single-rank SparDL step with GPU buffers: X = g + E, the selection, the residual and
+    the result stay on the device (the collective layer's GPU path); P = 1, so no message."""
     try:
         from mpi4py import MPI
 
         import spardl
+        from spardl import _arrays
+        from spardl.comm import cuda_aware
 
         ar = spardl.make("spardl", MPI.COMM_SELF, n, density=args.density)
-        ar(x)  # also the warm-up: GPU support is probed here
+        out = ar(x)  # also the warm-up (compilation)
+        on_device = _arrays.is_device(out.values) and _arrays.is_device(ar.residual)
     except Exception as e:  # noqa: BLE001 - any failure makes this row a note, not a crash
-        notes.append(f"n={n} spardl_step: skipped ({type(e).__name__}: {e})")
-        print(f"  spardl_step skipped: {type(e).__name__}: {e}", flush=True)
+        notes.append(f"n={n} spardl_step: failed ({type(e).__name__}: {e})")
+        print(f"  spardl_step failed: {type(e).__name__}: {e}", flush=True)
         return
-    row(n, "spardl_step", timer(lambda: ar(x)), P=1)
+    row(n, "spardl_step", timer(lambda: ar(x)), P=1, device_buffers=on_device,
+        cuda_aware_mpi=cuda_aware())
 
 
 def _config():

@@ -5,12 +5,12 @@ ablation, on the digits CNN under ``mpiexec -n P`` (the ``make train`` configura
     .venv/bin/python bench/training.py --seeds 0 1 2  # several seeds
 
 Every run is a separate ``mpiexec -n P python -m spardl train`` job with the same seed and
-epochs. Prints one Markdown table (for docs/perf-training.md) and writes it with the raw metrics
-to ``--out``/summary.json. "job s" is the wall time of the whole mpiexec job (start-up included),
-"train s" the time inside the training loop.
+epochs. Prints one Markdown table (for docs/performance.md, "Training") and writes it with the
+raw metrics to ``--out``/summary.json. "job s" is the wall time of the whole mpiexec job
+(start-up included), "train s" the time inside the training loop.
 
-Goals (docs/perf-training.md): SparDL accuracy ≥ dense − 1 point and ≥ 95%; the SparDL job
-≤ 90 s on the 2-core development machine; SparDL bytes per rank ≤ 5% of dense.
+Goals (docs/performance.md, "Training"): SparDL accuracy ≥ dense − 1 point and ≥ 95%; the SparDL
+job ≤ 90 s on the 2-core development machine; SparDL bytes per rank ≤ 5% of dense.
 """
 
 from __future__ import annotations

@@ -230,7 +230,9 @@ def info_lines() -> list[tuple[str, str]]:
     rows.append(("GPUs (numba)", _numba_gpus()))
     rows.append(("CPU threads", f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})"
                  if hasattr(os, "sched_getaffinity") else str(os.cpu_count())))
-    rows.append(("CUDA-aware MPI", "unknown (detection not implemented yet)"))
+    from .comm import cuda_aware, cuda_aware_reason
+
+    rows.append(("CUDA-aware MPI", f"{'yes' if cuda_aware() else 'no'} ({cuda_aware_reason()})"))
     return rows
 
 
@@ -263,7 +265,21 @@ def _cmd_info(args) -> int:
 
 
 #: Subcommand registrars, in help order. Append ``add_<name>`` to add a subcommand.
-COMMANDS = [add_train, add_demo, add_info]
+def add_model(sub) -> None:
+    """``spardl model``: α-β projections to thousands of ranks (``spardl.model_cli``)."""
+    from .model_cli import add_model as _add
+
+    _add(sub)
+
+
+def add_bench(sub) -> None:
+    """``spardl bench pingpong``: fit α and β on this machine (``spardl.model_cli``)."""
+    from .model_cli import add_bench as _add
+
+    _add(sub)
+
+
+COMMANDS = [add_train, add_demo, add_info, add_model, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

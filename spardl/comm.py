@@ -15,18 +15,33 @@ Accounting rules (``stats``):
   received on every non-root rank and m·(P−1)/P sent on every rank (scatter + all-gather).
 * ``control_messages``: cross-rank consistency checks, not data.
 * ``phases``: the same three counters per phase name.
+
+GPU buffers. Every function here also takes device arrays (Numba device arrays, the CUDA
+simulator's, or anything with ``__cuda_array_interface__``) and then returns device arrays:
+packing and unpacking run on the device, and only the packed O(k)-byte message crosses to MPI.
+When the MPI library is CUDA-aware (:func:`cuda_aware`) the device buffer is handed to MPI
+directly; otherwise it goes through pinned host buffers (``numba.cuda.pinned_array``) kept per
+:class:`Comm` and grown as needed: one device-to-host copy before the call and one host-to-device
+copy after it. The default stream is synchronised before every MPI call that reads or writes
+device memory. Accounting is the same for both kinds of buffer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import os
 import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Comm", "new_stats", "pack_blocks", "unpack_blocks", "wire_index_dtype"]
+from . import _arrays as A
+
+__all__ = ["Comm", "cuda_aware", "cuda_aware_reason", "new_stats", "pack_blocks",
+           "unpack_blocks", "wire_index_dtype"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -80,6 +95,97 @@ def wire_index_dtype(max_block_length: int) -> np.dtype:
     return np.dtype(np.int32) if max_block_length <= _INT32_MAX else np.dtype(np.int64)
 
 
+# -- CUDA-aware MPI ---------------------------------------------------------------------------
+
+
+def _loaded_mpi_libraries() -> list[str]:
+    """Paths of the MPI libraries mapped into this process (Linux: read /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libmpi" in line and "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith("libmpi"))
+
+
+def _query_cuda_support() -> bool | None:
+    """``MPIX_Query_cuda_support()`` of the loaded MPI library, or None where it has none."""
+    for path in _loaded_mpi_libraries():
+        try:
+            fn = ctypes.CDLL(path).MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
+        return bool(fn())
+    return None
+
+
+@functools.cache
+def _detect_cuda_aware() -> tuple[bool, str]:
+    forced = os.environ.get("SPARDL_CUDA_AWARE", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1", f"forced by SPARDL_CUDA_AWARE={forced}"
+    if forced:
+        raise ValueError(f"SPARDL_CUDA_AWARE must be 0 or 1, got {forced!r}")
+    lib = MPI.Get_library_version()
+    if "MVAPICH" in lib and os.environ.get("MV2_USE_CUDA") == "1":
+        return True, "MVAPICH2 with MV2_USE_CUDA=1"
+    if "MPICH" in lib and os.environ.get("MPIR_CVAR_ENABLE_GPU") == "0":
+        return False, "MPICH with MPIR_CVAR_ENABLE_GPU=0"
+    q = _query_cuda_support()
+    if q is not None:
+        return q, f"MPIX_Query_cuda_support() returned {int(q)}"
+    return False, "no MPIX_Query_cuda_support in the MPI library: assumed not CUDA-aware"
+
+
+def cuda_aware() -> bool:
+    """Whether MPI calls may be given device buffers (detected once per process).
+
+    Checked in this order:
+
+    1. ``SPARDL_CUDA_AWARE=0`` or ``1`` in the environment forces the answer;
+    2. MVAPICH2 with ``MV2_USE_CUDA=1`` (its documented switch) is CUDA-aware; MPICH with
+       ``MPIR_CVAR_ENABLE_GPU=0`` (its documented switch) is not;
+    3. ``MPIX_Query_cuda_support()`` of the loaded MPI library, looked up with ctypes (mpi4py
+       does not wrap it): Open MPI ≥ 4.0 (``mpi-ext.h``) and MPICH ≥ 4.0 answer at run time
+       whether device buffers are supported;
+    4. otherwise False: messages are staged through pinned host buffers (always correct).
+
+    Returns
+    -------
+    bool
+
+    Raises
+    ------
+    ValueError
+        If ``SPARDL_CUDA_AWARE`` is set to anything but 0 or 1.
+    """
+    return _detect_cuda_aware()[0]
+
+
+def cuda_aware_reason() -> str:
+    """How :func:`cuda_aware` decided (for ``spardl info``)."""
+    return _detect_cuda_aware()[1]
+
+
+def _sync() -> None:
+    """Wait for the default stream: MPI must see finished device buffers."""
+    from numba import cuda
+
+    cuda.synchronize()
+
+
+def _mpi_buffer(x):
+    """The object handed to mpi4py for buffer ``x``. Device arrays expose
+    ``__cuda_array_interface__``, which mpi4py passes to a CUDA-aware MPI as a device pointer;
+    the CUDA simulator's arrays live in host memory and are passed as the NumPy array they wrap
+    (so the CUDA-aware code path runs under the simulator too)."""
+    if type(x).__name__ == "FakeCUDAArray":
+        return x._ary
+    return x
+
+
 def _align8(nbytes: int) -> int:
     return (nbytes + 7) & ~7
 
@@ -101,16 +207,20 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
     Returns
     -------
     ndarray of uint8
-        ``[counts | indices | pad to 8 bytes | values]``.
+        ``[counts | indices | pad to 8 bytes | values]``. A device array when any block is on
+        the device (packed there; the same bytes).
     """
     index_dtype = np.dtype(index_dtype)
     value_dtype = np.dtype(value_dtype)
+    if any(A.is_device(a) for b in blocks for a in b):
+        return _pack_device(blocks, starts, index_dtype, value_dtype)
     nb = len(blocks)
     counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
     total = int(counts.sum())
     isz, vsz = index_dtype.itemsize, value_dtype.itemsize
     head = _align8((nb + total) * isz)
     buf = np.empty(head + total * vsz, dtype=np.uint8)
+    buf[(nb + total) * isz : head] = 0  # the padding: no uninitialised bytes on the wire
     ints = buf[: (nb + total) * isz].view(index_dtype)
     ints[:nb] = counts
     vals = buf[head:].view(value_dtype)
@@ -133,6 +243,9 @@ def packed_capacity(nblocks: int, max_pairs: int, index_dtype, value_dtype) -> i
 def unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype):
     """Inverse of :func:`pack_blocks`: a list of (int64 absolute indices, values) per block.
 
+    A device ``buf`` is unpacked on the device (one small copy of the counts to the host) and
+    gives device arrays.
+
     Raises
     ------
     ValueError
@@ -140,6 +253,8 @@ def unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype):
     """
     index_dtype = np.dtype(index_dtype)
     value_dtype = np.dtype(value_dtype)
+    if A.is_device(buf):
+        return _unpack_device(buf, nblocks, starts, index_dtype, value_dtype)
     isz, vsz = index_dtype.itemsize, value_dtype.itemsize
     if len(buf) < nblocks * isz:
         raise ValueError("received message shorter than its block header")
@@ -159,6 +274,62 @@ def unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype):
         idx = rel[pos : pos + c].astype(np.int64)
         idx += int(starts[b])
         out.append((idx, vals[pos : pos + c].copy()))
+        pos += c
+    return out
+
+
+def _pack_device(blocks, starts, index_dtype, value_dtype):
+    """:func:`pack_blocks` on the device: the same bytes, in one device buffer."""
+    D = A.device_ops()
+    isz, vsz = index_dtype.itemsize, value_dtype.itemsize
+    nb = len(blocks)
+    counts = np.array([int(b[0].shape[0]) for b in blocks], dtype=np.int64)
+    total = int(counts.sum())
+    head = _align8((nb + total) * isz)
+    buf = D.empty(head + total * vsz, np.uint8)
+    if head > (nb + total) * isz:
+        D.copy_into(buf[(nb + total) * isz : head], D.zeros(head - (nb + total) * isz, np.uint8))
+    if nb:
+        ints = buf[: (nb + total) * isz].view(index_dtype)
+        ints[:nb].copy_to_device(counts.astype(index_dtype))
+    pos = 0
+    for (idx, val), start in zip(blocks, starts, strict=True):
+        c = int(idx.shape[0])
+        if c:
+            D.shift_into(ints[nb + pos : nb + pos + c], idx, -int(start))
+            D.copy_into(buf[head + pos * vsz : head + (pos + c) * vsz].view(value_dtype), val)
+        pos += c
+    return buf
+
+
+def _unpack_device(buf, nblocks, starts, index_dtype, value_dtype):
+    """:func:`unpack_blocks` on the device: device (int64 indices, values) per block."""
+    D = A.device_ops()
+    buf = D.aligned(buf)
+    isz, vsz = index_dtype.itemsize, value_dtype.itemsize
+    nbytes = int(buf.shape[0])
+    if nbytes < nblocks * isz:
+        raise ValueError("received message shorter than its block header")
+    counts = np.zeros(nblocks, dtype=np.int64)
+    if nblocks:
+        counts[:] = buf[: nblocks * isz].copy_to_host().view(index_dtype)
+    total = int(counts.sum())
+    head = _align8((nblocks + total) * isz)
+    if nbytes != head + total * vsz:
+        raise ValueError(
+            f"received message of {nbytes} bytes, header announces {head + total * vsz}"
+        )
+    out = []
+    pos = 0
+    for b in range(nblocks):
+        c = int(counts[b])
+        if c:
+            lo = (nblocks + pos) * isz
+            rel = buf[lo : lo + c * isz].view(index_dtype)
+            vals = buf[head + pos * vsz : head + (pos + c) * vsz].view(value_dtype)
+            out.append((D.shift(rel, int(starts[b])), D.copy(vals)))
+        else:
+            out.append((D.empty(0, np.int64), D.empty(0, value_dtype)))
         pos += c
     return out
 
@@ -197,6 +368,41 @@ class Comm:
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
         self._acct = _acct if _acct is not None else _Accounting()
+        self._pinned: dict = {}  # slot -> pinned host staging buffer (uint8), grown as needed
+
+    # -- device buffers ---------------------------------------------------------------------
+    def _stage(self, slot: str, nbytes: int) -> np.ndarray:
+        """A pinned host buffer of at least ``nbytes`` for ``slot`` ("send" or "recv"), reused
+        between calls and grown (doubling) when too small."""
+        buf = self._pinned.get(slot)
+        if buf is None or buf.nbytes < nbytes:
+            from numba import cuda
+
+            size = max(int(nbytes), 2 * (0 if buf is None else buf.nbytes), 256)
+            buf = self._pinned[slot] = cuda.pinned_array(size, dtype=np.uint8)
+        return buf[:nbytes]
+
+    def _send_wire(self, x, slot: str = "send"):
+        """What MPI reads for device array ``x``: x itself when CUDA-aware, else a pinned copy."""
+        _sync()
+        if cuda_aware():
+            return _mpi_buffer(x)
+        h = self._stage(slot, x.nbytes).view(x.dtype)
+        x.copy_to_host(h)
+        return h
+
+    def _recv_wire(self, count: int, dtype, slot: str = "recv"):
+        """Where MPI writes ``count`` items for a device result: a device or a pinned buffer."""
+        dtype = np.dtype(dtype)
+        if cuda_aware():
+            _sync()
+            return A.empty(count, dtype, True)
+        return self._stage(slot, count * dtype.itemsize).view(dtype)
+
+    @staticmethod
+    def _device_result(buf):
+        """The received data as a device array (a copy to the device when it was staged)."""
+        return A.to_device(buf) if isinstance(buf, np.ndarray) else buf
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -246,32 +452,50 @@ class Comm:
         """Send ``sendbuf`` to ``dest`` and receive at most ``capacity`` bytes from ``source``.
 
         The received size is read from the MPI status, so variable-size messages need no count
-        message. Returns the received bytes (a view of a fresh buffer).
+        message. Returns the received bytes (a view of a fresh buffer; a device array when
+        ``sendbuf`` is one).
         """
-        recv = np.empty(max(int(capacity), 1), dtype=np.uint8)
+        device = A.is_device(sendbuf)
+        if device:
+            sendbuf = A.view(sendbuf)
+            send = self._send_wire(sendbuf)
+            recv = self._recv_wire(max(int(capacity), 1), np.uint8)
+        else:
+            send = sendbuf
+            recv = np.empty(max(int(capacity), 1), dtype=np.uint8)
         status = MPI.Status()
         self.mpi.Sendrecv(
-            [sendbuf, MPI.BYTE], dest, tag, [recv, MPI.BYTE], source, tag, status=status
+            [send, MPI.BYTE], dest, tag, [_mpi_buffer(recv), MPI.BYTE], source, tag,
+            status=status,
         )
         nrecv = status.Get_count(MPI.BYTE)
         self._acct.sent(sendbuf.nbytes, dest, "p2p")
         self._acct.received(nrecv)
-        return recv[:nrecv]
+        return self._device_result(recv[:nrecv]) if device else recv[:nrecv]
 
     def send_bytes(self, buf: np.ndarray, dest: int, tag: int = 0) -> None:
         """One-way send of a byte buffer to ``dest`` (tree algorithms: a child to its parent)."""
-        buf = np.ascontiguousarray(buf, dtype=np.uint8)
-        self.mpi.Send([buf, MPI.BYTE], dest, tag)
+        if A.is_device(buf):
+            buf = A.view(buf)
+            self.mpi.Send([self._send_wire(buf), MPI.BYTE], dest, tag)
+        else:
+            buf = np.ascontiguousarray(buf, dtype=np.uint8)
+            self.mpi.Send([buf, MPI.BYTE], dest, tag)
         self._acct.sent(buf.nbytes, dest, "p2p")
 
-    def recv_bytes(self, source: int, capacity: int, tag: int = 0) -> np.ndarray:
-        """Receive at most ``capacity`` bytes from ``source``; the size is read from the status."""
-        recv = np.empty(max(int(capacity), 1), dtype=np.uint8)
+    def recv_bytes(self, source: int, capacity: int, tag: int = 0, *,
+                   device: bool = False) -> np.ndarray:
+        """Receive at most ``capacity`` bytes from ``source``; the size is read from the status.
+        With ``device``, the bytes are returned as a device array."""
+        if device:
+            recv = self._recv_wire(max(int(capacity), 1), np.uint8)
+        else:
+            recv = np.empty(max(int(capacity), 1), dtype=np.uint8)
         status = MPI.Status()
-        self.mpi.Recv([recv, MPI.BYTE], source, tag, status=status)
+        self.mpi.Recv([_mpi_buffer(recv), MPI.BYTE], source, tag, status=status)
         nrecv = status.Get_count(MPI.BYTE)
         self._acct.received(nrecv)
-        return recv[:nrecv]
+        return self._device_result(recv[:nrecv]) if device else recv[:nrecv]
 
     def exchange_blocks(self, dest, send_blocks, send_starts, source, recv_starts, max_pairs,
                         index_dtype, value_dtype, tag: int = 0):
@@ -302,33 +526,61 @@ class Comm:
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, x: np.ndarray, op: str = "sum") -> np.ndarray:
-        """Dense allreduce of a contiguous array; returns a new array."""
-        x = np.ascontiguousarray(x)
-        out = np.empty_like(x)
-        self.mpi.Allreduce(x, out, op=_mpi_op(op))
+        """Dense allreduce of a contiguous 1-D array; returns a new array (on the device for a
+        device ``x``)."""
+        if A.is_device(x):
+            x = A.view(x)
+            if cuda_aware():
+                _sync()
+                out = A.empty(x.shape[0], x.dtype, True)
+                self.mpi.Allreduce(_mpi_buffer(x), _mpi_buffer(out), op=_mpi_op(op))
+            else:
+                h = self._send_wire(x)
+                self.mpi.Allreduce(MPI.IN_PLACE, h, op=_mpi_op(op))
+                out = A.to_device(h)
+        else:
+            x = np.ascontiguousarray(x)
+            out = np.empty_like(x)
+            self.mpi.Allreduce(x, out, op=_mpi_op(op))
         vol = 2 * x.nbytes * (self.size - 1) // self.size
         self._acct.sent(vol, -1, "allreduce")
         self._acct.received(vol)
         return out
 
     def allgather_array(self, x: np.ndarray) -> np.ndarray:
-        """All-gather equal-size arrays: returns shape (P,) + x.shape."""
-        x = np.ascontiguousarray(x)
-        out = np.empty((self.size,) + x.shape, dtype=x.dtype)
-        self.mpi.Allgather(x, out)
+        """All-gather equal-size arrays: returns shape (P,) + x.shape (a device array for a 1-D
+        device ``x``)."""
+        if A.is_device(x):
+            x = A.view(x)
+            send = self._send_wire(x)
+            recv = self._recv_wire(self.size * x.shape[0], x.dtype)
+            self.mpi.Allgather(send, _mpi_buffer(recv))
+            out = self._device_result(recv).reshape(self.size, x.shape[0])
+        else:
+            x = np.ascontiguousarray(x)
+            out = np.empty((self.size,) + x.shape, dtype=x.dtype)
+            self.mpi.Allgather(x, out)
         vol = x.nbytes * (self.size - 1)
         self._acct.sent(vol, -1, "allgather")
         self._acct.received(vol)
         return out
 
     def allgatherv_bytes(self, buf: np.ndarray) -> list[np.ndarray]:
-        """All-gather variable-size byte buffers (sizes first, then the data): 2 messages."""
+        """All-gather variable-size byte buffers (sizes first, then the data): 2 messages.
+        Device ``buf``: the rows are slices of one device buffer."""
         sizes = self.allgather_array(np.array([buf.nbytes], dtype=np.int64))[:, 0]
         displs = np.zeros(self.size, dtype=np.int64)
         np.cumsum(sizes[:-1], out=displs[1:])
         total = int(sizes.sum())
-        recv = np.empty(max(total, 1), dtype=np.uint8)
-        self.mpi.Allgatherv([buf, MPI.BYTE], [recv, (sizes, displs), MPI.BYTE])
+        if A.is_device(buf):
+            buf = A.view(buf)
+            send = self._send_wire(buf)
+            recv = self._recv_wire(max(total, 1), np.uint8)
+            self.mpi.Allgatherv([send, MPI.BYTE], [_mpi_buffer(recv), (sizes, displs), MPI.BYTE])
+            recv = self._device_result(recv)
+        else:
+            recv = np.empty(max(total, 1), dtype=np.uint8)
+            self.mpi.Allgatherv([buf, MPI.BYTE], [recv, (sizes, displs), MPI.BYTE])
         vol = total - int(buf.nbytes)
         self._acct.sent(vol, -1, "allgatherv")
         self._acct.received(vol)
@@ -343,9 +595,22 @@ class Comm:
         ]
 
     def bcast(self, x: np.ndarray, root: int) -> np.ndarray:
-        """Broadcast a contiguous array from ``root``; every rank passes a buffer of that shape."""
-        x = np.ascontiguousarray(x)
-        self.mpi.Bcast(x, root=root)
+        """Broadcast a contiguous array from ``root``; every rank passes a buffer of that shape
+        (a 1-D device array is received in place on the device)."""
+        if A.is_device(x):
+            x = A.view(x)
+            if cuda_aware():
+                _sync()
+                self.mpi.Bcast(_mpi_buffer(x), root=root)
+            else:
+                h = self._send_wire(x) if self.rank == root else self._recv_wire(
+                    x.shape[0], x.dtype, "send")
+                self.mpi.Bcast(h, root=root)
+                if self.rank != root:
+                    x.copy_to_device(h)
+        else:
+            x = np.ascontiguousarray(x)
+            self.mpi.Bcast(x, root=root)
         self._acct.sent(x.nbytes * (self.size - 1) // self.size, -1, "bcast")
         if self.rank != root:
             self._acct.received(x.nbytes)

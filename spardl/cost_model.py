@@ -1,22 +1,40 @@
-"""Closed-form α-β costs of every allreduce in :data:`spardl.ALGORITHMS`.
+"""α-β(-γ) costs of every allreduce in :data:`spardl.ALGORITHMS`: closed forms and trace replay.
 
-Units: α is seconds per message, β seconds per byte; a *word* is one index or one value, so an
-(index, value) pair is 2 words, and ``word_bytes`` (4 for int32 wire indices and float32 values)
-turns words into bytes. Every formula is per rank and per step and follows the counting rules of
-:mod:`spardl.comm`:
+Units: α is seconds per message (latency), β seconds per byte (inverse bandwidth), γ seconds per
+byte merged (the local reduction of what arrives: ``merge_add``, ``coalesce``, ``scatter_add``).
+A *word* is one index or one value, so an (index, value) pair is 2 words, and ``word_bytes``
+(4 for int32 wire indices and float32 values) turns words into bytes.
 
-* ``messages``: data messages one rank sends; a point-to-point send counts 1 and so does a
-  collective call (whatever the MPI library does inside it);
-* ``words``: the volume one rank sends; an all-gather sends everything but the rank's own part
-  to the others ((P−1)·part), an allreduce of m words sends 2m(P−1)/P, a broadcast m(P−1)/P;
-* ``rounds`` / ``path_words``: the α terms and the words on the critical path, which set the time.
-  They equal ``messages`` / ``words`` for every algorithm whose ranks all send in every round;
-  only the tree of ``gtopk`` differs (a rank sends once, the root waits ⌈log₂P⌉ rounds).
+Two counts, and why they differ
+-------------------------------
+* ``messages`` counts what :mod:`spardl.comm` counts in ``stats["messages"]``: a point-to-point
+  send is 1 **and so is a collective call**, whatever the MPI library does inside it. Measured
+  stats match these formulas exactly (``tests/mpi/test_cost_model.py``).
+* ``rounds`` counts the latency terms that set the time. A point-to-point message is one round;
+  a collective runs at its algorithmic cost on P ranks: ⌈log₂P⌉ rounds for an all-gather(v) or a
+  broadcast (Bruck / binomial tree), 2⌈log₂P⌉ for an allreduce (Rabenseifner: reduce-scatter +
+  all-gather). Counting a collective as one α, as ``messages`` does, flatters the all-gather based
+  methods (topka, gaussiank, topkdsa, Ok-Topk's last step) at large P.
 
-Time = rounds·α + path_words·word_bytes·β. Headers (block counts, padding) are left out: they are
-a few bytes per message. With P = 1 nothing is sent and every cost is zero.
+Every closed form is per rank and per step:
 
-The ``NETWORKS`` presets give order-of-magnitude α and β of common interconnects.
+* ``words``: the volume one rank sends, as :mod:`spardl.comm` accounts it: an all-gather sends
+  everything but the rank's own part ((P−1)·part), an allreduce of m words 2m(P−1)/P, a broadcast
+  m(P−1)/P;
+* ``path_words``: the words on the critical path (the β terms of the time). It equals ``words``
+  for every algorithm whose ranks all send in every round; only the tree of ``gtopk`` differs
+  (a rank sends once, the root waits ⌈log₂P⌉ rounds).
+
+Time = rounds·α + path_words·word_bytes·(β + γ). γ is charged once per byte on the critical path:
+every byte that arrives is merged into a partial sum or an output once (in the symmetric
+exchanges of these algorithms a rank receives what it sends). With γ = 0 (the default) the model
+is the classic α-β model. Headers (block counts, padding) are left out: a few bytes per message.
+With P = 1 nothing is sent and every cost is zero.
+
+:func:`replay` prices a recorded trace (:mod:`spardl.trace`) with the same rules, message by
+message, so traces of any algorithm, including future ones, need no formula.
+
+The ``NETWORKS`` presets give α and β of common interconnects, with their sources.
 """
 
 from __future__ import annotations
@@ -37,7 +55,10 @@ __all__ = [
     "spardl",
     "oktopk",
     "budget",
+    "collective_rounds",
     "predict",
+    "replay",
+    "replay_steps",
 ]
 
 
@@ -53,7 +74,8 @@ class Cost:
     words : float
         Words (indices and values) one rank sends.
     rounds : float
-        Messages on the critical path (α terms of the time).
+        Latency terms on the critical path (α terms of the time): a point-to-point message is
+        1, a collective its algorithmic cost (:func:`collective_rounds`).
     path_words : float
         Words on the critical path (β terms of the time, times ``word_bytes``).
     """
@@ -63,9 +85,13 @@ class Cost:
     rounds: float
     path_words: float
 
-    def seconds(self, alpha: float, beta: float, word_bytes: int = 4) -> float:
-        """rounds·α + path_words·word_bytes·β, in seconds (α: s/message, β: s/byte)."""
-        return self.rounds * alpha + self.path_words * word_bytes * beta
+    def seconds(self, alpha: float, beta: float, word_bytes: int = 4,
+                gamma: float = 0.0) -> float:
+        """rounds·α + path_words·word_bytes·(β + γ), in seconds.
+
+        α: s/message, β: s/byte sent, γ: s/byte merged (each byte that arrives is merged once).
+        """
+        return self.rounds * alpha + self.path_words * word_bytes * (beta + gamma)
 
 
 def _cost(messages, words, rounds=None, path_words=None) -> Cost:
@@ -94,6 +120,38 @@ def ceil_log2(P: int) -> int:
     return (int(P) - 1).bit_length()
 
 
+def collective_rounds(kind: str, P: int) -> int:
+    """Latency terms (α) of one collective call on P ranks, or of one point-to-point message.
+
+    Parameters
+    ----------
+    kind : {"p2p", "allgather", "allgatherv", "bcast", "allreduce"}
+        The ``kind`` field of a trace record (:meth:`spardl.comm.Comm.start_trace`).
+    P : int
+        Ranks taking part in the collective.
+
+    Returns
+    -------
+    int
+        1 for "p2p"; ⌈log₂P⌉ for an all-gather(v) (Bruck, IEEE TPDS 1997) or a broadcast
+        (binomial tree); 2⌈log₂P⌉ for an allreduce (Rabenseifner's reduce-scatter + all-gather,
+        Thakur, Rabenseifner & Gropp, IJHPCA 2005, Sec. 4.4). 0 for a collective on one rank.
+
+    Raises
+    ------
+    ValueError
+        If ``kind`` is unknown.
+    """
+    if kind == "p2p":
+        return 1
+    if kind in ("allgather", "allgatherv", "bcast"):
+        return ceil_log2(P)
+    if kind == "allreduce":
+        return 2 * ceil_log2(P)
+    raise ValueError(f"kind must be one of p2p, allgather, allgatherv, bcast, allreduce; "
+                     f"got {kind!r}")
+
+
 def budget(density: float, n: int) -> int:
     """k = ⌊ρ·n⌋, at least 1 and at most n (the rule of :func:`spardl.algorithms.base.budget`)."""
     if isinstance(density, bool) or not isinstance(density, (int, float)):
@@ -105,7 +163,7 @@ def budget(density: float, n: int) -> int:
 
 # -- the algorithms ------------------------------------------------------------------------------
 def dense(P: int, n: int, k: int | None = None) -> Cost:
-    """Dense allreduce of n values: one collective, 2n(P−1)/P words (exact).
+    """Dense allreduce of n values: one collective (1 message, 2⌈log₂P⌉ rounds), 2n(P−1)/P words.
 
     Notes
     -----
@@ -116,11 +174,12 @@ def dense(P: int, n: int, k: int | None = None) -> Cost:
     _check(P, n, n if k is None else k)
     if P == 1:
         return _ZERO
-    return _cost(1, 2 * n * (P - 1) / P)
+    return _cost(1, 2 * n * (P - 1) / P, rounds=collective_rounds("allreduce", P))
 
 
 def topka(P: int, n: int, k: int) -> Cost:
-    """TopkA: all-gather of every rank's k (index, value) pairs: 1 message, 2k(P−1) words (exact).
+    """TopkA: all-gather of every rank's k (index, value) pairs: 1 message (⌈log₂P⌉ rounds),
+    2k(P−1) words (exact).
 
     Notes
     -----
@@ -131,12 +190,13 @@ def topka(P: int, n: int, k: int) -> Cost:
     _check(P, n, k)
     if P == 1:
         return _ZERO
-    return _cost(1, 2 * k * (P - 1))
+    return _cost(1, 2 * k * (P - 1), rounds=collective_rounds("allgather", P))
 
 
 def gaussiank(P: int, n: int, k: int) -> Cost:
     """Gaussiank: as TopkA with a threshold-selected count ≈ k, so an allgatherv: 2 messages
-    (sizes, data) and ≈ 2k(P−1) words (expected; the count varies with the data).
+    (sizes, data; 2⌈log₂P⌉ rounds) and ≈ 2k(P−1) words (expected; the count varies with the
+    data).
 
     Notes
     -----
@@ -146,12 +206,14 @@ def gaussiank(P: int, n: int, k: int) -> Cost:
     _check(P, n, k)
     if P == 1:
         return _ZERO
-    return _cost(2, 2 * k * (P - 1) + (P - 1))  # + the size word of every other rank
+    # + the size word of every other rank
+    return _cost(2, 2 * k * (P - 1) + (P - 1), rounds=2 * collective_rounds("allgatherv", P))
 
 
 def topkdsa(P: int, n: int, k: int) -> Cost:
     """SparCML's dynamic sparse allreduce: split-reduce to P uniform regions (P−1 messages), then
     an allgatherv of the reduced regions (2 messages), a region going dense past break-even.
+    Rounds: P−1 + 2⌈log₂P⌉.
 
     Words, assuming each rank's k entries spread evenly over the regions and do not overlap
     (the fill-in worst case): 2k(P−1)/P for the split, and (P−1)·min(2k, ⌈n/P⌉) for the
@@ -167,14 +229,16 @@ def topkdsa(P: int, n: int, k: int) -> Cost:
     if P == 1:
         return _ZERO
     region = -(-n // P)
-    return _cost(P + 1, 2 * k * (P - 1) / P + (P - 1) * min(2 * k, region))
+    return _cost(P + 1, 2 * k * (P - 1) / P + (P - 1) * min(2 * k, region),
+                 rounds=P - 1 + 2 * collective_rounds("allgatherv", P))
 
 
 def gtopk(P: int, n: int, k: int) -> Cost:
     """gTop-k: ⌈log₂P⌉ rounds of pairwise merges up a binomial tree, then a broadcast of k pairs.
 
     Per rank: at most one send of k pairs in the tree plus the broadcast (2 messages,
-    2k + 2k(P−1)/P words). Critical path: ⌈log₂P⌉ tree rounds + the broadcast, 2k words each.
+    2k + 2k(P−1)/P words). Critical path: ⌈log₂P⌉ tree rounds of 2k words, then the broadcast
+    (⌈log₂P⌉ rounds, 2k(P−1)/P words): 2⌈log₂P⌉ rounds.
 
     Notes
     -----
@@ -185,11 +249,12 @@ def gtopk(P: int, n: int, k: int) -> Cost:
     if P == 1:
         return _ZERO
     R = ceil_log2(P)
-    return _cost(2, 2 * k + 2 * k * (P - 1) / P, rounds=R + 1,
+    return _cost(2, 2 * k + 2 * k * (P - 1) / P, rounds=R + collective_rounds("bcast", P),
                  path_words=2 * k * R + 2 * k * (P - 1) / P)
 
 
-def spardl(P: int, n: int, k: int, d: int = 1, density: float | None = None) -> Cost:
+def spardl(P: int, n: int, k: int, d: int = 1, density: float | None = None,
+           sag_budget: str = "start") -> Cost:
     """SparDL with d teams of m = P/d ranks.
 
     k_b = min(C, max(1, ⌊ρ·C⌋)) with C = ⌈n/m⌉ is the per-block budget (ρ = k/n when
@@ -203,6 +268,13 @@ def spardl(P: int, n: int, k: int, d: int = 1, density: float | None = None) -> 
 
     d = 1: 2⌈log₂P⌉ messages and 4k_b(P−1) ≈ 4k(P−1)/P words; exact (block lengths all ≥ k_b).
 
+    ``sag_budget`` picks h for d > 1. "start": h's first value (exact at the first step, and
+    in steady state when the d owners' selections are disjoint: the least volume). "max":
+    h = k_b, the value h adapts to when the d owners select the same indices (their union
+    never fills k_b): 2k_b(d−1) words across teams, the most. Projections that choose d
+    (``spardl model``) use "max" so that teams are never credited with a volume the
+    adaptation may not keep.
+
     Notes
     -----
     Zhao et al., "SparDL", arXiv 2304.00737, Sec. 4 (SRS, SAG; cost analysis of Sec. 4.2-4.3)
@@ -211,6 +283,8 @@ def spardl(P: int, n: int, k: int, d: int = 1, density: float | None = None) -> 
     _check(P, n, k)
     if isinstance(d, bool) or not isinstance(d, int) or d < 1 or P % d:
         raise ValueError(f"d must be a positive divisor of P={P}, got {d}")
+    if sag_budget not in ("start", "max"):
+        raise ValueError(f"sag_budget must be 'start' or 'max', got {sag_budget!r}")
     if P == 1:
         return _ZERO
     rho = k / n if density is None else float(density)
@@ -220,7 +294,7 @@ def spardl(P: int, n: int, k: int, d: int = 1, density: float | None = None) -> 
     # The owners' start budget, clamped as the implementation does; the whole block when ρ·C
     # covers it (nothing to drop).
     h = max(min(k_b, max(1, k_b // d)), min(k_b, max(1, math.floor(rho * C / d * (1 + 1e-9)))))
-    if k_b == C:
+    if k_b == C or sag_budget == "max":
         h = k_b
     msgs = 2 * ceil_log2(m) + ceil_log2(d)
     words = 4 * k_b * (m - 1) + 2 * h * (d - 1)
@@ -235,7 +309,8 @@ def oktopk(P: int, n: int, k: int, threshold_interval: int = 32, region_interval
     one all-gather of the balanced chunks: 2P messages; plus one allreduce of the P+1 region
     boundaries every τ (``region_interval``) steps and one all-gather of k magnitudes every τ'
     (``threshold_interval``) steps. With ``step`` the cost of that step (exact messages), else
-    the average over steps (2P + 1/τ + 1/τ').
+    the average over steps (2P + 1/τ + 1/τ'). Rounds: 2(P−1) + 2⌈log₂P⌉, + 2⌈log₂P⌉/τ and
+    + ⌈log₂P⌉/τ' (the collectives at their algorithmic cost).
 
     Words: the paper's bound 6k(P−1)/P (split 2k(P−1)/P with balanced regions, balance at most
     2k(P−1)/P, all-gather 2k(P−1)/P, for about k surviving entries), plus P−1 count words,
@@ -255,9 +330,11 @@ def oktopk(P: int, n: int, k: int, threshold_interval: int = 32, region_interval
         regions = float(step % region_interval == 0)
         thresholds = float(step % threshold_interval == 0)
     msgs = 2 * P + regions + thresholds
+    R = ceil_log2(P)
+    rounds = 2 * (P - 1) + 2 * R + regions * 2 * R + thresholds * R
     words = (6 * k * (P - 1) / P + (P - 1) + regions * 2 * (P + 1) * (P - 1) / P
              + thresholds * k * (P - 1))
-    return _cost(msgs, words)
+    return _cost(msgs, words, rounds=rounds)
 
 
 #: Algorithm name -> formula (P, n, k, **options) -> Cost.
@@ -288,8 +365,8 @@ NETWORKS = {
 def predict(algorithm: str, P: int, n: int, density: float, teams: int = 1,
             alpha: float = NETWORKS["infiniband-100g"]["alpha"],
             beta: float = NETWORKS["infiniband-100g"]["beta"],
-            word_bytes: int = 4, **options) -> dict:
-    """The α-β cost of one step of ``algorithm`` on P ranks.
+            word_bytes: int = 4, gamma: float = 0.0, **options) -> dict:
+    """The α-β(-γ) cost of one step of ``algorithm`` on P ranks, from its closed form.
 
     Parameters
     ----------
@@ -304,11 +381,13 @@ def predict(algorithm: str, P: int, n: int, density: float, teams: int = 1,
     teams : int, default 1
         d, SparDL's number of teams (must divide P); ignored by the others.
     alpha : float, default 100 Gb/s InfiniBand
-        Seconds per message.
+        Seconds per message (per round).
     beta : float, default 100 Gb/s InfiniBand
         Seconds per byte.
     word_bytes : int, default 4
         Bytes per word (4: int32 indices and float32 values).
+    gamma : float, default 0.0
+        Seconds per byte merged on arrival (see the module docstring).
     **options
         Passed to the formula (``threshold_interval``, ``region_interval``, ``step`` for
         Ok-Topk).
@@ -316,8 +395,9 @@ def predict(algorithm: str, P: int, n: int, density: float, teams: int = 1,
     Returns
     -------
     dict
-        ``messages``, ``words``, ``bytes`` (words·word_bytes): what one rank sends;
-        ``rounds`` and ``seconds`` (rounds·α + path_words·word_bytes·β): the time.
+        ``messages``, ``words``, ``bytes`` (words·word_bytes): what one rank sends, counted as
+        ``stats`` counts; ``rounds`` (latency terms) and ``seconds``
+        (rounds·α + path_words·word_bytes·(β + γ)): the time.
 
     Raises
     ------
@@ -327,9 +407,7 @@ def predict(algorithm: str, P: int, n: int, density: float, teams: int = 1,
     f = FORMULAS.get(algorithm) if isinstance(algorithm, str) else None
     if f is None:
         raise ValueError(f"algorithm must be one of {sorted(FORMULAS)}, got {algorithm!r}")
-    for name, v in (("alpha", alpha), ("beta", beta)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+    _check_rates(alpha, beta, gamma)
     k = budget(density, n)
     if algorithm == "spardl":
         c = f(P, n, k, d=teams, density=density, **options)
@@ -340,5 +418,109 @@ def predict(algorithm: str, P: int, n: int, density: float, teams: int = 1,
         "words": c.words,
         "bytes": c.words * word_bytes,
         "rounds": c.rounds,
-        "seconds": c.seconds(alpha, beta, word_bytes),
+        "seconds": c.seconds(alpha, beta, word_bytes, gamma),
     }
+
+
+def _check_rates(alpha, beta, gamma):
+    for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+
+
+_KINDS = ("p2p", "allgather", "allgatherv", "bcast", "allreduce")
+
+
+def _record(rec):
+    """(step, phase, kind, peer, bytes) from a tuple, list or dict trace record."""
+    if isinstance(rec, dict):
+        return (int(rec["step"]), str(rec["phase"]), rec["kind"], int(rec["peer"]),
+                int(rec["bytes"]))
+    step, phase, kind, peer, nbytes = rec
+    return int(step), str(phase), kind, int(peer), int(nbytes)
+
+
+def replay_steps(traces, alpha: float, beta: float, gamma: float = 0.0,
+                 P: int | None = None) -> list[dict]:
+    """Price every step of recorded per-rank traces under the α-β(-γ) model.
+
+    A rank's time in a step is the sum over the messages it sent of
+    ``collective_rounds(kind, P)·α + bytes·(β + γ)``: a point-to-point message costs α plus its
+    size, a collective its algorithmic latency plus the volume :mod:`spardl.comm` accounted for
+    it (which is that of the bandwidth-optimal algorithm). The step's time is the slowest rank's.
+
+    Parameters
+    ----------
+    traces : sequence of P sequences of records
+        ``traces[r]`` is rank r's trace: records (step, phase, kind, peer, bytes), as tuples,
+        lists or dicts (:mod:`spardl.trace` gathers and saves them).
+    alpha, beta, gamma : float
+        Seconds per message, per byte sent, per byte merged (γ ≥ 0, default 0).
+    P : int, optional
+        Ranks in the collectives (default ``len(traces)``). Byte volumes stay as recorded.
+
+    Returns
+    -------
+    list of dict
+        One per step, ascending: ``step``, ``seconds`` (the slowest rank's), ``rank`` (which
+        one), ``messages`` (per rank, a list; equals the ``stats["messages"]`` increments),
+        ``bytes`` (per rank, a list), ``rounds`` (per rank, a list) and ``phases`` (the slowest
+        rank's seconds per phase).
+
+    Raises
+    ------
+    ValueError
+        If a record has an unknown kind or negative bytes, or a rate is negative.
+
+    Notes
+    -----
+    The sum over a rank's own sends is exact for algorithms whose ranks all send in every round
+    (SparDL, Ok-Topk, TopkA, Gaussiank, TopkDSA, dense). For gtopk's one-way tree it is a lower
+    bound: the root receives ⌈log₂P⌉ messages in sequence while each rank sends one; the closed
+    form :func:`gtopk` prices that critical path.
+    """
+    _check_rates(alpha, beta, gamma)
+    ranks = len(traces)
+    P = ranks if P is None else int(P)
+    if P < 1:
+        raise ValueError(f"P must be >= 1, got {P}")
+    per = {}  # step -> rank -> [seconds, messages, bytes, rounds, {phase: seconds}]
+    for r, trace in enumerate(traces):
+        for rec in trace:
+            step, phase, kind, _peer, nbytes = _record(rec)
+            if kind not in _KINDS:
+                raise ValueError(f"trace record kind must be one of {_KINDS}, got {kind!r}")
+            if nbytes < 0:
+                raise ValueError(f"trace record bytes must be >= 0, got {nbytes}")
+            rounds = collective_rounds(kind, P)
+            t = rounds * alpha + nbytes * (beta + gamma)
+            row = per.setdefault(step, {}).setdefault(r, [0.0, 0, 0, 0, {}])
+            row[0] += t
+            row[1] += 1
+            row[2] += nbytes
+            row[3] += rounds
+            row[4][phase] = row[4].get(phase, 0.0) + t
+    out = []
+    for step in sorted(per):
+        rows = per[step]
+        secs = [rows[r][0] if r in rows else 0.0 for r in range(ranks)]
+        slow = max(range(ranks), key=lambda r: secs[r])
+        out.append({
+            "step": step,
+            "seconds": secs[slow],
+            "rank": slow,
+            "messages": [rows[r][1] if r in rows else 0 for r in range(ranks)],
+            "bytes": [rows[r][2] if r in rows else 0 for r in range(ranks)],
+            "rounds": [rows[r][3] if r in rows else 0 for r in range(ranks)],
+            "phases": dict(rows[slow][4]) if slow in rows else {},
+        })
+    return out
+
+
+def replay(traces, alpha: float, beta: float, gamma: float = 0.0, P: int | None = None) -> float:
+    """Mean predicted seconds per step of recorded traces (see :func:`replay_steps`).
+
+    Returns 0.0 for traces without messages (P = 1).
+    """
+    steps = replay_steps(traces, alpha, beta, gamma, P)
+    return sum(s["seconds"] for s in steps) / len(steps) if steps else 0.0

@@ -18,12 +18,14 @@ import math
 import numpy as np
 
 import spardl_kernels as K
+from spardl_kernels._dispatch import is_device_array
 
 __all__ = ["Selector", "ExactSelector", "ThresholdSelector", "make_selector", "SELECTORS"]
 
 
 def _check_x_k(x, k):
-    x = np.asarray(x)
+    if not is_device_array(x):  # device arrays stay on the device (the kernels' CUDA twins)
+        x = np.asarray(x)
     if x.ndim != 1:
         raise ValueError(f"x must be 1-D, got shape {x.shape}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
@@ -34,6 +36,10 @@ def _check_x_k(x, k):
 
 
 def _empty(x):
+    if is_device_array(x):
+        from numba import cuda
+
+        return cuda.device_array(0, np.int64), cuda.device_array(0, x.dtype)
     return np.empty(0, dtype=np.int64), np.empty(0, dtype=x.dtype)
 
 

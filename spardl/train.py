@@ -24,7 +24,7 @@ import numpy as np
 __all__ = ["DEFAULTS", "build_model", "load_digits_split", "add_arguments", "run"]
 
 #: Defaults of the training job, tuned so that SparDL at 1% density on 4 ranks reaches the
-#: dense baseline's accuracy (docs/perf-training.md).
+#: dense baseline's accuracy (docs/performance.md, "Training").
 DEFAULTS = {
     "algorithm": "spardl",
     "density": 0.01,

@@ -74,7 +74,7 @@ def test_known_values():
     assert cm.topka(4, 1000, 10).words == 60
     assert cm.topkdsa(4, 1000, 10).words == pytest.approx(15 + 3 * 20)
     g = cm.gtopk(4, 1000, 10)
-    assert (g.messages, g.rounds) == (2, 3)
+    assert (g.messages, g.rounds) == (2, 2 + 2)  # 2 tree rounds + a 2-round broadcast
     assert g.path_words == pytest.approx(2 * 10 * 2 + 15)
 
 
@@ -112,3 +112,93 @@ def test_networks_have_alpha_and_beta():
     for name, net in cm.NETWORKS.items():
         assert set(net) == {"alpha", "beta"}, name
         assert 0 < net["alpha"] < 1e-3 and 0 < net["beta"] < 1e-8, name
+
+
+def test_collectives_cost_their_algorithmic_latency():
+    """messages count a collective once (as stats do); rounds at ⌈log₂P⌉ / 2⌈log₂P⌉."""
+    n, rho = 1 << 20, 0.01
+    for P in (2, 3, 8, 1000):
+        R = math.ceil(math.log2(P))
+        assert cm.collective_rounds("p2p", P) == 1
+        assert cm.collective_rounds("allgather", P) == cm.collective_rounds("bcast", P) == R
+        assert cm.collective_rounds("allreduce", P) == 2 * R
+        assert cm.predict("dense", P, n, rho)["rounds"] == 2 * R
+        assert cm.predict("topka", P, n, rho)["rounds"] == R
+        assert cm.predict("gaussiank", P, n, rho)["rounds"] == 2 * R
+        assert cm.predict("topkdsa", P, n, rho)["rounds"] == P - 1 + 2 * R
+        assert cm.predict("oktopk", P, n, rho, step=1)["rounds"] == 2 * (P - 1) + 2 * R
+        assert cm.predict("oktopk", P, n, rho, step=0)["rounds"] == 2 * (P - 1) + 5 * R
+        assert cm.predict("spardl", P, n, rho)["rounds"] == 2 * R  # all point-to-point
+        assert cm.predict("topka", P, n, rho)["messages"] == 1
+    with pytest.raises(ValueError, match="kind"):
+        cm.collective_rounds("gather", 4)
+
+
+def test_gamma_charges_every_byte_once():
+    base = cm.predict("spardl", 16, 100_000, 0.01, alpha=1e-6, beta=1e-9)
+    with_g = cm.predict("spardl", 16, 100_000, 0.01, alpha=1e-6, beta=1e-9, gamma=2e-9)
+    assert with_g["seconds"] - base["seconds"] == pytest.approx(base["bytes"] * 2e-9)
+    with pytest.raises(ValueError, match="gamma"):
+        cm.predict("spardl", 4, 100, 0.1, gamma=-1.0)
+
+
+def test_sag_budget_max_bounds_start():
+    n, rho, P = 1 << 20, 0.01, 64
+    k = cm.budget(rho, n)
+    assert cm.spardl(P, n, k, d=1, sag_budget="max") == cm.spardl(P, n, k, d=1)
+    for d in (2, 8, 64):
+        lo = cm.spardl(P, n, k, d=d, density=rho, sag_budget="start")
+        hi = cm.spardl(P, n, k, d=d, density=rho, sag_budget="max")
+        assert lo.messages == hi.messages and lo.words < hi.words
+    with pytest.raises(ValueError, match="sag_budget"):
+        cm.spardl(P, n, k, d=2, sag_budget="min")
+
+
+def _synthetic(P, alg_records):
+    return [[(0, "x", kind, peer, nbytes) for kind, peer, nbytes in alg_records(r)]
+            for r in range(P)]
+
+
+def test_replay_of_synthetic_traces():
+    alpha, beta, gamma = 2e-6, 1e-9, 5e-10
+    P = 8
+    # A ring step: every rank sends 1000 B to its right neighbour, rank 3 also 5000 B more.
+    traces = _synthetic(P, lambda r: [("p2p", (r + 1) % P, 1000)]
+                        + ([("p2p", 0, 5000)] if r == 3 else []))
+    (step,) = cm.replay_steps(traces, alpha, beta, gamma)
+    assert step["rank"] == 3 and step["messages"][3] == 2 and step["messages"][0] == 1
+    assert step["seconds"] == pytest.approx(2 * alpha + 6000 * (beta + gamma))
+    # One all-gather and one allreduce per rank: ⌈log₂8⌉ = 3 and 6 rounds.
+    coll = _synthetic(P, lambda r: [("allgather", -1, 700), ("allreduce", -1, 300)])
+    (step,) = cm.replay_steps(coll, alpha, beta)
+    assert step["rounds"] == [9] * P
+    assert step["seconds"] == pytest.approx(9 * alpha + 1000 * beta)
+    # Projected to 1024 ranks' latency: log₂1024 = 10 rounds per all-gather.
+    assert cm.replay_steps(coll, alpha, beta, P=1024)[0]["rounds"][0] == 30
+    # Two steps average; dict records are accepted too.
+    two = [[{"step": s, "phase": "p", "kind": "p2p", "peer": 1, "bytes": 100 * (s + 1)}
+            for s in range(2)], []]
+    assert cm.replay(two, alpha, beta) == pytest.approx(alpha + 150 * beta)
+    assert cm.replay([[]], alpha, beta) == 0.0  # P = 1: nothing sent
+    with pytest.raises(ValueError, match="kind"):
+        cm.replay([[(0, "p", "gather", -1, 10)]], alpha, beta)
+
+
+def test_replay_equals_closed_form_for_a_spardl_like_trace():
+    """A trace with SparDL's d = 1 schedule (2⌈log₂P⌉ point-to-point messages carrying the
+    formula's words) replays to the closed form's time."""
+    P, n, rho = 8, 80_000, 0.01
+    c = cm.spardl(P, n, cm.budget(rho, n), d=1, density=rho)
+    R = cm.ceil_log2(P)
+    per_msg = round(c.words * 4 / (2 * R))  # equal-size messages, the same total bytes
+    traces = _synthetic(P, lambda r: [("p2p", 0, per_msg)] * (2 * R))
+    assert cm.replay(traces, 1e-5, 1e-9) == pytest.approx(c.seconds(1e-5, 1e-9), rel=1e-4)
+
+
+def test_acceptance_bert_base_on_10g_ethernet():
+    """n = 110 M, ρ = 1%, 10 GbE, P = 256: SparDL ≤ 0.6× Ok-Topk and ≤ 0.1× dense."""
+    net = cm.NETWORKS["ethernet-10g"]
+    t = {a: cm.predict(a, 256, 110_000_000, 0.01, **net)["seconds"]
+         for a in ("spardl", "oktopk", "dense")}
+    assert t["spardl"] <= 0.6 * t["oktopk"]
+    assert t["spardl"] <= 0.1 * t["dense"]

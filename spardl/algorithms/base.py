@@ -4,6 +4,12 @@ error feedback bookkeeping, the op (mean or sum), non-finite handling, statistic
 A subclass implements one method, :meth:`Allreducer._reduce`, which reads like its paper: it gets
 this rank's accumulated gradient X = g + E_old and returns the summed sparse result and this rank's
 new residual E_new.
+
+GPU gradients (anything with ``__cuda_array_interface__``: torch CUDA tensors, CuPy, Numba device
+arrays, the CUDA simulator's arrays) keep every per-step buffer on the device: X, the partial
+sums, the residual and the selections are Numba device arrays, the kernels run as their CUDA
+twins, the other array operations come from :mod:`spardl._arrays`, and only packed messages go
+to MPI (:mod:`spardl.comm`). The result is bit-identical to the same call on host arrays.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _arrays as A
 from ..comm import Comm, name_hash
 from ..result import SparseResult
 
@@ -111,6 +118,10 @@ class Allreducer:
     conserves = True
     #: Options a subclass accepts, with defaults.
     options: dict = {}
+    #: Whether ``_reduce`` keeps GPU buffers on the device. A subclass that cannot sets False:
+    #: then X is copied to the host once, reduced there, and the result and residual are copied
+    #: back once (correct, but the step costs two O(n) transfers).
+    device_resident = True
 
     def __init__(self, comm, n, *, density=0.01, op="mean", residual="global",
                  nonfinite="raise", check=True, **options):
@@ -222,21 +233,32 @@ class Allreducer:
         raise ValueError("ranks disagree on " + "; ".join(diffs or ["the call sequence"]))
 
     def _as_vector(self, grad) -> np.ndarray:
-        if hasattr(grad, "__cuda_array_interface__"):
-            raise TypeError("grad is a GPU array; this allreducer runs on CPU arrays")
+        if A.is_device(grad):
+            try:
+                g = A.view(grad)  # zero copy: a Numba device array on the same memory
+            except Exception as e:  # noqa: BLE001 - raised on every rank as a type error
+                raise TypeError(
+                    f"grad is a GPU array that cannot be used here "
+                    f"({type(e).__name__}: {e})"
+                ) from e
+            self._check_vector(g.ndim, g.shape, np.dtype(g.dtype))
+            return g
         try:
             g = np.asarray(grad)
         except Exception as e:  # noqa: BLE001 - anything NumPy cannot view is a type error
             raise TypeError(f"grad must be a 1-D array, got {type(grad).__name__}") from e
-        if g.ndim != 1:
-            raise ValueError(f"grad must be 1-D, got shape {g.shape}")
-        if g.dtype not in VALUE_DTYPES:
-            raise TypeError(f"grad dtype must be float16, float32 or float64, got {g.dtype}")
-        if g.shape[0] != self.n:
-            raise ValueError(f"grad has length {g.shape[0]}, expected n={self.n}")
-        if self._dtype is not None and g.dtype != self._dtype:
-            raise TypeError(f"grad dtype changed from {self._dtype} to {g.dtype}")
+        self._check_vector(g.ndim, g.shape, g.dtype)
         return g
+
+    def _check_vector(self, ndim, shape, dtype) -> None:
+        if ndim != 1:
+            raise ValueError(f"grad must be 1-D, got shape {tuple(shape)}")
+        if dtype not in VALUE_DTYPES:
+            raise TypeError(f"grad dtype must be float16, float32 or float64, got {dtype}")
+        if shape[0] != self.n:
+            raise ValueError(f"grad has length {shape[0]}, expected n={self.n}")
+        if self._dtype is not None and dtype != self._dtype:
+            raise TypeError(f"grad dtype changed from {self._dtype} to {dtype}")
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(self, grad) -> SparseResult:
@@ -245,12 +267,15 @@ class Allreducer:
         Parameters
         ----------
         grad : array of shape (n,), float16, float32 or float64
-            This rank's gradient (NumPy, or anything NumPy views without a copy).
+            This rank's gradient: NumPy (or anything NumPy views without a copy), or a GPU
+            array (``__cuda_array_interface__``: torch CUDA tensor, CuPy, Numba device array).
+            A GPU gradient keeps the whole step on the device (module docstring).
 
         Returns
         -------
         SparseResult
-            Identical on every rank: the mean (or sum) over ranks of what was selected.
+            Identical on every rank: the mean (or sum) over ranks of what was selected. Its
+            arrays are Numba device arrays for a GPU gradient, bit-identical to the host call.
 
         Raises
         ------
@@ -276,16 +301,24 @@ class Allreducer:
             )
         elif err is not None:
             raise err
+        device = A.is_device(g)
         if self._dtype is None:
-            self._dtype = g.dtype
-            self._residual = np.zeros(self.n, dtype=_work_dtype(g.dtype))
-        x = g.astype(self._residual.dtype, copy=True)
+            self._dtype = np.dtype(g.dtype)
+            self._residual = A.zeros(self.n, _work_dtype(self._dtype), device)
+        elif A.is_device(self._residual) != device:
+            # The gradient moved (or a host checkpoint was loaded): one copy of E, once.
+            self._residual = A.like(self._residual, device)
+        x = A.cast(g, self._residual.dtype, copy=True)
         if self.residual_mode != "none":
-            x += self._residual  # X = g + E_old
-        red = self._reduce(x)
+            A.add_into(x, self._residual)  # X = g + E_old
+        if device and not self.device_resident:
+            red = self._reduce(A.to_host(x))  # staged: one copy in ...
+            red = Reduced(*(A.to_device(a) for a in (red.indices, red.values, red.residual)))
+        else:
+            red = self._reduce(x)
         stats = self.comm.stats
         self.comm.next_step()
-        if self.nonfinite != "propagate" and not np.all(np.isfinite(red.values)):
+        if self.nonfinite != "propagate" and not A.all_finite(red.values):
             if self.nonfinite == "raise":
                 raise NonFiniteError(
                     f"{self.name}: the reduced gradient holds NaN or Inf at step {self.step}; "
@@ -293,7 +326,7 @@ class Allreducer:
                 )
             stats["skipped_steps"] += 1
             return SparseResult(
-                np.empty(0, np.int64), np.empty(0, self._dtype), self.n
+                A.empty(0, np.int64, device), A.empty(0, self._dtype, device), self.n
             )
         if self.residual_mode != "none":
             self._residual = red.residual
@@ -301,13 +334,14 @@ class Allreducer:
         stats["steps"] += 1
         values = red.values
         if self.op == "mean" and self.P > 1:
-            values = values / values.dtype.type(self.P)
-        return SparseResult(red.indices, values.astype(self._dtype, copy=False), self.n)
+            values = A.divide(values, self.P)
+        return SparseResult(red.indices, A.cast(values, self._dtype, copy=False), self.n)
 
     # -- state ------------------------------------------------------------------------------
     @property
     def residual(self) -> np.ndarray:
-        """This rank's residual E after the last call: shape (n,), float32 for float16 gradients."""
+        """This rank's residual E after the last call: shape (n,), float32 for float16 gradients;
+        a device array after calls with GPU gradients."""
         if self._residual is None:
             return np.zeros(self.n, dtype=np.float32)
         return self._residual
@@ -318,7 +352,10 @@ class Allreducer:
         return self.comm.stats
 
     def state_dict(self) -> dict:
-        """Everything needed to resume: residual, counters and the algorithm's own state."""
+        """Everything needed to resume: residual, counters and the algorithm's own state.
+
+        The residual is always a host NumPy copy (portable, picklable); after loading, the first
+        call moves it to the device if the gradients live there."""
         return {
             "algorithm": self.name,
             "n": self.n,
@@ -328,7 +365,7 @@ class Allreducer:
             "step": self.step,
             "calls": self._calls,
             "dtype": None if self._dtype is None else str(self._dtype),
-            "residual": None if self._residual is None else self._residual.copy(),
+            "residual": None if self._residual is None else np.array(A.to_host(self._residual)),
             "extra": self._extra_state(),
         }
 
@@ -352,7 +389,7 @@ class Allreducer:
         res = state["residual"]
         if res is not None and (res.shape != (self.n,)):
             raise ValueError(f"state residual has shape {res.shape}, expected ({self.n},)")
-        self._residual = None if res is None else np.array(res, copy=True)
+        self._residual = None if res is None else np.array(A.to_host(res), copy=True)
         self._load_extra_state(state.get("extra", {}))
 
     def __repr__(self) -> str:

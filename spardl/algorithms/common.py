@@ -22,6 +22,7 @@ import numpy as np
 
 from spardl_kernels import coalesce
 
+from .. import _arrays as A
 from ..comm import pack_blocks, unpack_blocks, wire_index_dtype
 
 __all__ = ["error_feedback", "sent_reached", "allgather_sum"]
@@ -81,10 +82,11 @@ def error_feedback(x: np.ndarray, sent_indices: np.ndarray, mode: str,
     if mode == "none":
         return x
     if mode == "local" or out_indices is None:
-        x[sent_indices] = 0
+        A.zero_at(x, sent_indices)
     elif mode == "global":
-        # A sent value that did not reach the output stays with this rank (E = X there).
-        x[sent_indices[sent_reached(sent_indices, out_indices)]] = 0
+        # A sent value that did not reach the output stays with this rank (E = X there);
+        # the membership test is sent_reached's, on the host or on the device.
+        A.zero_members(x, sent_indices, out_indices)
     else:
         raise ValueError(f"mode must be 'global', 'local' or 'none', got {mode!r}")
     return x
@@ -123,13 +125,15 @@ def allgather_sum(comm, indices: np.ndarray, values: np.ndarray, n: int,
     if comm.size == 1:
         return indices, values
     idt = wire_index_dtype(n)
-    vdt = values.dtype
+    vdt = np.dtype(values.dtype)
+    dev = A.is_device(values)
     buf = pack_blocks([(indices, values)], [0], idt, vdt)
     if equal_counts:
-        rows = list(comm.allgather_array(buf))
+        everyone = comm.allgather_array(buf)
+        rows = [everyone[q] for q in range(comm.size)]
     else:
         rows = comm.allgatherv_bytes(buf)
     parts = [unpack_blocks(row, 1, [0], idt, vdt)[0] for row in rows]
-    cat_i = np.concatenate([p[0] for p in parts])
-    cat_v = np.concatenate([p[1] for p in parts])
+    cat_i = A.concat([p[0] for p in parts], np.int64, dev)
+    cat_v = A.concat([p[1] for p in parts], vdt, dev)
     return coalesce(cat_i, cat_v)

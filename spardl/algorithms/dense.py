@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _arrays as A
 from .base import Allreducer, Reduced
 
 
@@ -20,4 +21,5 @@ class Dense(Allreducer):
     def _reduce(self, x: np.ndarray) -> Reduced:
         with self.comm.phase("allreduce"):
             total = self.comm.allreduce(x, "sum") if self.P > 1 else x
-        return Reduced(np.arange(self.n, dtype=np.int64), total, np.zeros_like(x))
+        device = A.is_device(x)
+        return Reduced(A.arange(self.n, device), total, A.zeros(self.n, x.dtype, device))

@@ -94,10 +94,17 @@ class Gaussiank(Allreducer):
 
     Residual: everything sent reaches the output (as in TopkA), so E_new = X with the sent
     coordinates zeroed and the conservation invariant holds.
+
+    **GPU gradients are staged through the host** (``device_resident = False``): X is copied to
+    the host once per step and the result and residual are copied back once. The normal fit
+    (NumPy's pairwise float64 mean and standard deviation) decides which entries are selected,
+    and a device reduction in another order could move t by an ulp and change the selection;
+    staging keeps the result bit-identical to the CPU path.
     """
 
     name = "gaussiank"
     options: dict = {"corrections": 4}
+    device_resident = False
 
     def _setup(self) -> None:
         c = self.opts["corrections"]

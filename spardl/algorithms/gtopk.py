@@ -12,6 +12,7 @@ import numpy as np
 
 from spardl_kernels import merge_add, topk_abs
 
+from .. import _arrays as A
 from ..comm import pack_blocks, packed_capacity, unpack_blocks, wire_index_dtype
 from .base import Allreducer, Reduced
 from .common import error_feedback
@@ -58,6 +59,9 @@ class GTopk(Allreducer):
     partial sum dropped at an inner node is nobody's, so the method does **not** conserve
     (``conserves = False``): Σ_r X_r − P·out − Σ_r E_r is exactly the mass lost by the
     re-selections at coordinates that still made the output.
+
+    GPU gradients stay on the device; only the dropped-mass statistic is summed on the host,
+    from an O(k) copy of each merged vector, so that it is the same float as on the CPU path.
     """
 
     name = "gtopk"
@@ -70,15 +74,17 @@ class GTopk(Allreducer):
 
     def _pack(self, mass, idx, val):
         head = np.array([mass], dtype=_MASS).view(np.uint8)
-        return np.concatenate([head, pack_blocks([(idx, val)], [0], self.wire_index, val.dtype)])
+        body = pack_blocks([(idx, val)], [0], self.wire_index, val.dtype)
+        return A.concat([head, body], np.uint8, A.is_device(body))
 
     def _unpack(self, buf, vdt):
-        mass = float(buf[: _MASS.itemsize].view(_MASS)[0])
+        mass = float(A.to_host(buf[: _MASS.itemsize]).view(_MASS)[0])
         idx, val = unpack_blocks(buf[_MASS.itemsize :], 1, [0], self.wire_index, vdt)[0]
         return mass, idx, val
 
     def _reduce(self, x: np.ndarray) -> Reduced:
         P, r, k = self.P, self.rank, self.k
+        dev = A.is_device(x)
         with self.comm.phase("select"):
             sent_i, sent_v = topk_abs(x, k)
         idx, val, mass = sent_i, sent_v, 0.0
@@ -91,20 +97,22 @@ class GTopk(Allreducer):
                     break
                 if r + d >= P:
                     continue  # no partner this round: pass through
-                got_mass, got_i, got_v = self._unpack(self.comm.recv_bytes(r + d, cap), x.dtype)
+                got = self.comm.recv_bytes(r + d, cap, device=dev)
+                got_mass, got_i, got_v = self._unpack(got, x.dtype)
                 mi, mv = merge_add(idx, val, got_i, got_v)
                 pos, val = topk_abs(mv, k)
-                idx = mi[pos]
-                keep = np.zeros(len(mv), dtype=bool)
-                keep[pos] = True
-                mass += got_mass + float(np.sum(np.abs(mv[~keep]), dtype=np.float64))
+                idx = A.take(mi, pos)
+                mv_h = A.to_host(mv)  # O(k): the statistic below, summed as on the CPU path
+                keep = np.zeros(mv_h.shape[0], dtype=bool)
+                keep[A.to_host(pos)] = True
+                mass += got_mass + float(np.sum(np.abs(mv_h[~keep]), dtype=np.float64))
         if P > 1:
             with self.comm.phase("bcast"):
                 if r == 0:
                     buf = self._pack(mass, idx, val)
                 else:
                     size = _MASS.itemsize + packed_capacity(1, k, self.wire_index, x.dtype)
-                    buf = np.empty(size, dtype=np.uint8)
+                    buf = A.empty(size, np.uint8, dev)
                 mass, idx, val = self._unpack(self.comm.bcast(buf, 0), x.dtype)
         self.stats["dropped_mass"] += mass
         res = error_feedback(x, sent_i, self.residual_mode, out_indices=idx)

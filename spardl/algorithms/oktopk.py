@@ -19,6 +19,7 @@ import numpy as np
 
 import spardl_kernels as K
 
+from .. import _arrays as A
 from ..comm import pack_blocks, unpack_blocks, wire_index_dtype
 from ..selection import make_selector
 from .base import Allreducer, Reduced
@@ -93,6 +94,9 @@ class OkTopk(Allreducer):
       contributes uniform boundaries;
     * the owners sum received entries in rank order 0 … P−1 (not arrival order), so results do
       not depend on the rotation and are bit-identical run to run.
+
+    GPU gradients keep X, the selections, the reduced regions and the residual on the device;
+    region boundaries, counts and thresholds are host scalars.
     """
 
     name = "oktopk"
@@ -115,10 +119,11 @@ class OkTopk(Allreducer):
     # -- Algorithm 1 ------------------------------------------------------------------------
     def _reduce(self, x: np.ndarray) -> Reduced:
         saved_selector = self.selector.state_dict()
+        dev = A.is_device(x)
         with self.comm.phase("select"):
             if self.k == self.n:
                 # Density 1 drops nothing: no threshold may guess otherwise (cases C6, C9).
-                sel_idx, sel_val = np.arange(self.n, dtype=np.int64), x.copy()
+                sel_idx, sel_val = A.arange(self.n, dev), A.copy(x)
             else:
                 sel_idx, sel_val = self.selector.select(x, self.k)
         with self.comm.phase("split_reduce"):
@@ -133,14 +138,14 @@ class OkTopk(Allreducer):
             if self.step % self.tau_prime == 0 or not math.isfinite(th):
                 th = self._global_threshold(red_val)
             keep_idx, keep_val = K.select_above(red_val, th)
-            keep_idx = red_idx[keep_idx]
+            keep_idx = A.take(red_idx, keep_idx)
         with self.comm.phase("balance"):
             counts, bal_idx, bal_val = self._balance(keep_idx, keep_val)
         with self.comm.phase("allgather"):
             out_idx, out_val = self._allgather(bal_idx, bal_val, counts)
 
         residual = self._residual_after(x, sel_idx, sel_val, out_idx)
-        if self.nonfinite == "propagate" or np.all(np.isfinite(out_val)):
+        if self.nonfinite == "propagate" or A.all_finite(out_val):
             self.bounds = bounds
             self.global_threshold = self._nudge(th, int(counts.sum()))
         else:
@@ -150,7 +155,7 @@ class OkTopk(Allreducer):
 
     def _space_repartition(self, sel_idx):
         """P+1 region boundaries: the mean of every rank's P-quantiles of its selected indices."""
-        mine = K.balanced_bounds(sel_idx, self.n, self.P)
+        mine = A.to_host(K.balanced_bounds(sel_idx, self.n, self.P))
         if self.P == 1:
             return mine
         # An exact int64 sum, then floor division: the same integers on every rank, 0 and n at
@@ -161,7 +166,7 @@ class OkTopk(Allreducer):
     def _split_and_reduce(self, sel_idx, sel_val, bounds):
         """Send region j's selected entries to rank j; return this rank's reduced region."""
         P, r = self.P, self.rank
-        offs = K.block_offsets(sel_idx, bounds)
+        offs = A.to_host(K.block_offsets(sel_idx, bounds))
 
         def region(j):
             return sel_idx[offs[j]:offs[j + 1]], sel_val[offs[j]:offs[j + 1]]
@@ -178,16 +183,18 @@ class OkTopk(Allreducer):
                 wire, sel_val.dtype,
             )
         # Sum in rank order so the result does not depend on the rotation.
-        return K.coalesce(np.concatenate([p[0] for p in parts]),
-                          np.concatenate([p[1] for p in parts]))
+        dev = A.is_device(sel_val)
+        return K.coalesce(A.concat([p[0] for p in parts], np.int64, dev),
+                          A.concat([p[1] for p in parts], sel_val.dtype, dev))
 
     def _global_threshold(self, red_val):
         """The k-th largest reduced magnitude over all regions (0 when fewer than k exist)."""
         k = self.k
         _, top = K.topk_abs(red_val, min(k, red_val.shape[0]))
-        mags = np.zeros(k, dtype=red_val.dtype)
-        mags[: top.shape[0]] = np.abs(top)
-        everyone = self.comm.allgather_array(mags).ravel() if self.P > 1 else mags
+        dev = A.is_device(red_val)
+        mags = A.concat([A.absolute(top), A.zeros(k - top.shape[0], red_val.dtype, dev)],
+                        red_val.dtype, dev)
+        everyone = self.comm.allgather_array(mags).reshape(self.P * k) if self.P > 1 else mags
         th = float(K.kth_largest_abs(everyone, k))
         # NaN data gives a NaN threshold; 0 keeps every reduced entry (NaN included).
         return th if math.isfinite(th) else 0.0
@@ -220,8 +227,9 @@ class OkTopk(Allreducer):
                 dest, [piece(dest)], [0], src, [0], b - a, wire, keep_val.dtype
             )
         # Owners' segments are consecutive in index order, so rank order keeps indices sorted.
-        return (counts, np.concatenate([p[0] for p in parts]),
-                np.concatenate([p[1] for p in parts]))
+        dev = A.is_device(keep_val)
+        return (counts, A.concat([p[0] for p in parts], np.int64, dev),
+                A.concat([p[1] for p in parts], keep_val.dtype, dev))
 
     def _allgather(self, bal_idx, bal_val, counts):
         """Every rank gets every kept entry: one all-gather of equal-size padded chunks."""
@@ -234,25 +242,24 @@ class OkTopk(Allreducer):
         # Chunks differ by at most one entry: padding them to ⌈M/P⌉ turns the allgatherv into
         # an all-gather of one fixed-size buffer (no size exchange, one message).
         pad = c_max - bal_idx.shape[0]
-        idx = np.concatenate((bal_idx, np.zeros(pad, np.int64)))
-        val = np.concatenate((bal_val, np.zeros(pad, bal_val.dtype)))
+        dev = A.is_device(bal_val)
+        vdt = np.dtype(bal_val.dtype)
+        idx = A.concat((bal_idx, A.zeros(pad, np.int64, dev)), np.int64, dev)
+        val = A.concat((bal_val, A.zeros(pad, vdt, dev)), vdt, dev)
         wire = wire_index_dtype(self.n)
-        everyone = self.comm.allgather_array(pack_blocks([(idx, val)], [0], wire, val.dtype))
-        chunks = [unpack_blocks(everyone[q], 1, [0], wire, val.dtype)[0] for q in range(P)]
-        return (np.concatenate([c[0][: sizes[q]] for q, c in enumerate(chunks)]),
-                np.concatenate([c[1][: sizes[q]] for q, c in enumerate(chunks)]))
+        everyone = self.comm.allgather_array(pack_blocks([(idx, val)], [0], wire, vdt))
+        chunks = [unpack_blocks(everyone[q], 1, [0], wire, vdt)[0] for q in range(P)]
+        return (A.concat([c[0][: sizes[q]] for q, c in enumerate(chunks)], np.int64, dev),
+                A.concat([c[1][: sizes[q]] for q, c in enumerate(chunks)], vdt, dev))
 
     def _residual_after(self, x, sel_idx, sel_val, out_idx):
         """E_new (Algorithm 2): X minus what this rank contributed, where it counted."""
-        residual = x.copy()
+        residual = A.copy(x)
         if self.residual_mode == "local":
-            residual[sel_idx] = 0  # forget everything sent, even if dropped downstream
-            return residual
-        # Contributed and in the output: local top-k ∩ global top-k.
-        pos = np.searchsorted(out_idx, sel_idx)
-        hit = pos < out_idx.shape[0]
-        hit[hit] = out_idx[pos[hit]] == sel_idx[hit]
-        return K.scatter_add(residual, sel_idx[hit], -sel_val[hit])
+            # forget everything sent, even if dropped downstream
+            return A.zero_at(residual, sel_idx)
+        # Contributed and in the output (local top-k ∩ global top-k): E = X + (−sent).
+        return A.sub_members(residual, sel_idx, sel_val, out_idx)
 
     def _nudge(self, th, M):
         """Move the reused global threshold towards k surviving entries for the next step."""

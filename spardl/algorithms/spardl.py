@@ -12,6 +12,7 @@ import numpy as np
 
 import spardl_kernels as K
 
+from .. import _arrays as A
 from ..comm import wire_index_dtype
 from ..schedules import bruck_schedule, srs_schedule
 from ..selection import make_selector
@@ -162,7 +163,7 @@ class SparDL(Allreducer):
         """Top-k of the partial sum of block b: absolute int64 indices and values."""
         lo, hi = self._starts[b], int(self.bounds[b + 1])
         rel, vals = self.selector.select(S[lo:hi], k, key=b)
-        return rel + lo, vals
+        return A.shift(rel, lo), vals
 
     def _bruck(self, comm, rounds, me, item, start_of, cap_of, vdt):
         """Bruck all-gather of packed sparse items; returns {item id: (indices, values)}."""
@@ -178,7 +179,8 @@ class SparDL(Allreducer):
 
     # -- the step ---------------------------------------------------------------------------
     def _reduce(self, x: np.ndarray) -> Reduced:
-        vdt = x.dtype
+        vdt = np.dtype(x.dtype)
+        dev = A.is_device(x)  # GPU gradients: every buffer below stays on the device
         mc = self.selector.max_count
         # The partial sums live in x itself (no second length-n buffer: at large n a copy costs
         # as much as a selection). Every change is logged with the values it overwrote, and
@@ -198,7 +200,7 @@ class SparDL(Allreducer):
                 # sent positions zeroed is final and is this rank's step-2 residual (GRC).
                 for idx, vals in blocks:
                     undo.append((idx, vals))  # vals = S[idx] at send time
-                    S[idx] = 0
+                    A.zero_at(S, idx)
                     sent.append(idx)
                 for idx, vals in got:
                     undo.append((idx, K.gather(S, idx)))
@@ -208,24 +210,24 @@ class SparDL(Allreducer):
         if self.d == 1:
             own = self._select(S, p, kb)
             undo.append(own)
-            S[own[0]] = 0
+            A.zero_at(S, own[0])
             sent.append(own[0])
             cap_team = lambda q: mc(self.k_b[q])  # noqa: E731
         else:
             h = self.h
             mine = self._select(S, p, h)
             undo.append(mine)
-            S[mine[0]] = 0
+            A.zero_at(S, mine[0])
             sent.append(mine[0])
             with self.comm.phase("sag_teams"):
                 sel = self._bruck(self._cross, self._cross_ag, self.team_id, mine,
                                   lambda t: self._starts[p], lambda t: mc(h), vdt)
             # Team order 0 … d−1: the same sums in the same order on all d owners.
-            ui, uv = K.coalesce(np.concatenate([sel[t][0] for t in range(self.d)]),
-                                np.concatenate([sel[t][1] for t in range(self.d)]))
+            ui, uv = K.coalesce(A.concat([sel[t][0] for t in range(self.d)], np.int64, dev),
+                                A.concat([sel[t][1] for t in range(self.d)], vdt, dev))
             u = int(ui.shape[0])
             rel, top = K.topk_abs(uv, min(kb, u))
-            own = (ui[rel], top)
+            own = (A.take(ui, rel), top)
             self.stats["h"] = h
             self.h = next_h(h, u, kb, self.d)
             cap_team = lambda q: self.k_b[q]  # noqa: E731
@@ -233,18 +235,18 @@ class SparDL(Allreducer):
         with self.comm.phase("sag_allgather"):
             blocks = self._bruck(self._team, self._team_ag, p, own,
                                  lambda q: self._starts[q], cap_team, vdt)
-        indices = np.concatenate([blocks[q][0] for q in range(self.m)])
-        values = np.concatenate([blocks[q][1] for q in range(self.m)])
+        indices = A.concat([blocks[q][0] for q in range(self.m)], np.int64, dev)
+        values = A.concat([blocks[q][1] for q in range(self.m)], vdt, dev)
 
         if self.residual_mode != "none":
             step2 = K.gather(S, indices)
             for idx, old in reversed(undo):
-                S[idx] = old  # now S is O = X again
+                A.set_at(S, idx, old)  # now S is O = X again
             if self.residual_mode == "global":
                 # GRC step 3: outside I, E = O; on I, the step-2 value.
-                S[indices] = step2
+                A.set_at(S, indices, step2)
             else:
-                S[np.concatenate(sent)] = 0
+                A.zero_at(S, A.concat(sent, np.int64, dev))
         return Reduced(indices, values, S)
 
     # -- state ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import numpy as np
 
 from spardl_kernels import block_offsets, merge_add, scatter_add, topk_abs, uniform_bounds
 
+from .. import _arrays as A
 from ..comm import pack_blocks, unpack_blocks, wire_index_dtype
 from .base import Allreducer, Reduced
 from .common import error_feedback
@@ -88,11 +89,12 @@ class TopkDSA(Allreducer):
     def _reduce(self, x: np.ndarray) -> Reduced:
         with self.comm.phase("select"):
             idx, val = topk_abs(x, self.k)
-        offs = block_offsets(idx, self.bounds)  # pairs of region b: offs[b] … offs[b+1]−1
+        # pairs of region b: offs[b] … offs[b+1]−1 (P+1 host integers, also for device idx)
+        offs = A.to_host(block_offsets(idx, self.bounds))
         with self.comm.phase("reduce_scatter"):
             region = self._reduce_region(idx, val, offs)
         with self.comm.phase("allgather"):
-            out_i, out_v = self._allgather_regions(region, x.dtype)
+            out_i, out_v = self._allgather_regions(region, np.dtype(x.dtype), A.is_device(x))
         return Reduced(out_i, out_v, error_feedback(x, idx, self.residual_mode))
 
     def _reduce_region(self, idx, val, offs):
@@ -101,12 +103,13 @@ class TopkDSA(Allreducer):
         start, stop = int(bounds[r]), int(bounds[r + 1])
         length = stop - start
         isz, vsz = self.wire_index.itemsize, val.dtype.itemsize
+        dev = A.is_device(val)
         acc_i, acc_v = idx[offs[r] : offs[r + 1]], val[offs[r] : offs[r + 1]]
         dense = None
         for s in range(1, P + 1):
-            if dense is None and not sparse_is_smaller(len(acc_i), length, isz, vsz):
-                dense = np.zeros(length, dtype=val.dtype)
-                scatter_add(dense, acc_i - start, acc_v)
+            if dense is None and not sparse_is_smaller(acc_i.shape[0], length, isz, vsz):
+                dense = A.zeros(length, val.dtype, dev)
+                scatter_add(dense, A.shift(acc_i, -start), acc_v)
             if s == P:
                 break
             dest, source = (r + s) % P, (r - s) % P
@@ -116,7 +119,7 @@ class TopkDSA(Allreducer):
                 self.wire_index, val.dtype,
             )[0]
             if dense is not None:
-                scatter_add(dense, got_i - start, got_v)
+                scatter_add(dense, A.shift(got_i, -start), got_v)
             else:
                 acc_i, acc_v = merge_add(acc_i, acc_v, got_i, got_v)
         if dense is not None:
@@ -124,7 +127,7 @@ class TopkDSA(Allreducer):
             return (_DENSE, dense)
         return (_SPARSE, acc_i, acc_v)
 
-    def _allgather_regions(self, region, vdt):
+    def _allgather_regions(self, region, vdt, dev=False):
         """All-gather the reduced regions; returns the concatenated (indices, values)."""
         P, bounds, idt = self.P, self.bounds, self.wire_index
         r = self.rank
@@ -132,18 +135,19 @@ class TopkDSA(Allreducer):
             payload = region[1].view(np.uint8)
         else:
             payload = pack_blocks([(region[1], region[2])], [int(bounds[r])], idt, vdt)
-        buf = np.concatenate([np.array([region[0]], dtype=np.int64).view(np.uint8), payload])
+        flag = np.array([region[0]], dtype=np.int64).view(np.uint8)
+        buf = A.concat([flag, payload], np.uint8, dev)
         rows = self.comm.allgatherv_bytes(buf) if P > 1 else [buf]
         parts_i, parts_v = [], []
         for b, row in enumerate(rows):
             start, stop = int(bounds[b]), int(bounds[b + 1])
-            kind = int(row[:8].view(np.int64)[0])
-            body = row[8:]
+            kind = int(A.to_host(row[:8]).view(np.int64)[0])
+            body = A.aligned(row[8:])
             if kind == _DENSE:
-                parts_i.append(np.arange(start, stop, dtype=np.int64))
-                parts_v.append(body.view(vdt).copy())
+                parts_i.append(A.shift(A.arange(stop - start, dev), start))
+                parts_v.append(A.copy(body.view(vdt)))
             else:
                 bi, bv = unpack_blocks(body, 1, [start], idt, vdt)[0]
                 parts_i.append(bi)
                 parts_v.append(bv)
-        return np.concatenate(parts_i), np.concatenate(parts_v)
+        return A.concat(parts_i, np.int64, dev), A.concat(parts_v, vdt, dev)

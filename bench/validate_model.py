@@ -1,0 +1,242 @@
+"""Validate the α-β-γ model against measured step times on this machine.
+
+Run from the repository root (it spawns its own ``mpiexec``)::
+
+    python bench/validate_model.py --n 2000000 --density 0.01 --P 1-8 --out results/validate.json
+
+1. Fit: ``mpiexec -n 2`` ping-pong (:mod:`spardl.pingpong`) gives α and β by least squares,
+   and the merge kernel gives γ.
+2. Measure: for each P, ``mpiexec -n P`` runs every algorithm on a heavy-tailed float32
+   gradient (``bench/allreduce.py``'s generator): ``--warmup`` untimed calls, then ``--repeat``
+   timed calls (barrier, ``MPI.Wtime``, the slowest rank's time), recording the message trace
+   of the timed calls (:mod:`spardl.trace`).
+3. Predict, without looking at the measured multi-rank times::
+
+       t_pred(P) = s(P) · (t_local + replay(trace; α, β, γ)),   s(P) = max(1, P / cores)
+
+   * t_local: the same algorithm's step time at P = 1 (measured; nothing is sent, so it is the
+     local work: X = g + E, selection, residual bookkeeping). Every algorithm's local work is
+     dominated by passes over the whole n-vector, which do not shrink with P.
+   * replay: :func:`spardl.cost_model.replay` of the recorded trace with the fitted α, β, γ
+     (the slowest rank's sum over its messages; collectives at ⌈log₂P⌉ or 2⌈log₂P⌉ rounds).
+   * s(P): this machine has few cores; with P ranks on fewer cores the ranks take turns, so
+     every rank's work (compute and shared-memory copies alike) stretches by P / cores. It is
+     the only oversubscription term; it is not fitted.
+
+Rank 0 of the driver prints one table: measured, predicted, relative error per (algorithm, P).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SPARSE = ("spardl", "oktopk", "topka", "gaussiank", "topkdsa", "gtopk")
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _mpiexec() -> str:
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else "mpiexec"
+
+
+def _spawn(P: int, args: list[str], timeout: float) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_"))}
+    env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [_mpiexec(), "-n", str(P), sys.executable, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+
+
+# -- workers (under mpiexec) -----------------------------------------------------------------
+def _worker_pingpong(out: str) -> None:
+    from mpi4py import MPI
+
+    from spardl import pingpong
+
+    rows = pingpong.pingpong(MPI.COMM_WORLD)
+    alpha, beta = pingpong.fit_alpha_beta([s for s, _ in rows], [t for _, t in rows])
+    gamma = pingpong.fit_gamma()
+    if MPI.COMM_WORLD.rank == 0:
+        Path(out).write_text(json.dumps({"alpha": alpha, "beta": beta, "gamma": gamma,
+                                         "rows": rows}))
+
+
+def _worker_measure(a) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    import spardl
+    import spardl.trace
+    from bench.allreduce import gradient
+
+    comm = MPI.COMM_WORLD
+    g = gradient(a.n, comm.rank, 0, np.float32)
+    rows = {}
+    for alg in a.algorithms:
+        opts = {} if alg == "dense" else {"density": a.density}
+        ar = spardl.make(alg, comm, a.n, **opts)
+        for _ in range(a.warmup):
+            ar(g)
+        times = []
+        m0 = ar.stats["messages"]
+        with spardl.trace.record(ar) as t:
+            for _ in range(a.repeat):
+                comm.Barrier()
+                t0 = MPI.Wtime()
+                ar(g)
+                times.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
+        msgs = ar.stats["messages"] - m0
+        traces = spardl.trace.gather_traces(comm, t)
+        counts = comm.allgather(msgs)
+        control = ar.stats["control_messages"]
+        del ar
+        # The local work alone, under the same contention: every rank runs the algorithm on
+        # COMM_SELF at the same time (nothing is sent; the world barrier only aligns starts).
+        solo = spardl.make(alg, MPI.COMM_SELF, a.n, **opts)
+        for _ in range(a.warmup):
+            solo(g)
+        local = []
+        for _ in range(a.repeat):
+            comm.Barrier()
+            t0 = MPI.Wtime()
+            solo(g)
+            local.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
+        del solo
+        if comm.rank == 0:
+            rows[alg] = {"times": times, "traces": traces, "messages": counts,
+                         "local_times": local,
+                         "control_per_step": control / (a.warmup + a.repeat)}
+    if comm.rank == 0:
+        Path(a.out).write_text(json.dumps({"P": comm.size, "rows": rows}))
+
+
+# -- driver ----------------------------------------------------------------------------------
+def _parse_P(text):
+    # No spardl import here: importing it initialises MPI in this (driver) process, whose PMI
+    # environment the spawned mpiexec jobs would inherit and hang on.
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def predict_rows(fit, measured, cores):
+    """Rows of (algorithm, P, measured, predicted, error) from the fit and the measurements."""
+    from spardl import cost_model
+
+    out = []
+    for P in sorted(measured):
+        if P == 1:
+            continue
+        for alg, r in measured[P]["rows"].items():
+            comm_s = cost_model.replay(r["traces"], fit["alpha"], fit["beta"], fit["gamma"])
+            # The base class's cross-rank check: one small allreduce per call (not a data
+            # message, so not in the trace), at its algorithmic latency.
+            comm_s += r["control_per_step"] * cost_model.collective_rounds("allreduce", P) \
+                * fit["alpha"]
+            s = max(1.0, P / cores)
+            local = float(_median(r["local_times"]))
+            pred = local + s * comm_s
+            meas = float(_median(r["times"]))
+            out.append({"algorithm": alg, "P": P, "measured_s": meas, "predicted_s": pred,
+                        "local_s": local, "comm_s": comm_s, "oversubscription": s,
+                        "rel_error": (pred - meas) / meas,
+                        "trace_messages": sum(len(tr) for tr in r["traces"]) / P
+                        / max(1, len({rec[0] for rec in r["traces"][0]})),
+                        "stats_messages": sum(r["messages"]) / P / len(r["times"])})
+    return out
+
+
+def _median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def _table(rows):
+    lines = ["| algorithm | P | measured (ms) | predicted (ms) | local (ms) | comm (ms) | s(P) "
+             "| error |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["algorithm"], r["P"])):
+        lines.append(f"| {r['algorithm']} | {r['P']} | {r['measured_s'] * 1e3:.1f} | "
+                     f"{r['predicted_s'] * 1e3:.1f} | {r['local_s'] * 1e3:.1f} | "
+                     f"{r['comm_s'] * 1e3:.2f} | {r['oversubscription']:.1f} | "
+                     f"{r['rel_error']:+.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=2_000_000)
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--P", default="1-8", help="world sizes, e.g. 1-8 (P = 1 is always run)")
+    ap.add_argument("--algorithms", default=",".join((*SPARSE, "dense")))
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=300, help="per mpiexec, seconds")
+    ap.add_argument("--out", help="write fit, rows and environment as JSON")
+    ap.add_argument("--worker", choices=["pingpong", "measure"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.algorithms = [s for s in a.algorithms.split(",") if s]
+    if a.worker == "pingpong":
+        return _worker_pingpong(a.worker_out)
+    if a.worker == "measure":
+        a.out = a.worker_out
+        return _worker_measure(a)
+
+    Ps = sorted(set(_parse_P(a.P)) | {1})
+    cores = _cores()
+    me = str(Path(__file__).resolve())
+    with tempfile.TemporaryDirectory() as tmp:
+        _spawn(2, [me, "--worker", "pingpong", "--worker-out", f"{tmp}/fit.json"], a.timeout)
+        fit = json.loads(Path(f"{tmp}/fit.json").read_text())
+        measured = {}
+        common = ["--n", str(a.n), "--density", str(a.density), "--repeat", str(a.repeat),
+                  "--warmup", str(a.warmup), "--algorithms", ",".join(a.algorithms)]
+        for P in Ps:
+            out = f"{tmp}/P{P}.json"
+            _spawn(P, [me, "--worker", "measure", "--worker-out", out, *common], a.timeout)
+            measured[P] = json.loads(Path(out).read_text())
+            print(f"# measured P={P}", file=sys.stderr, flush=True)
+    rows = predict_rows(fit, measured, cores)
+    print(f"# {' '.join(['python', *sys.argv])}")
+    print(f"# host {platform.node()}, {cores} cores, {platform.processor() or platform.machine()}"
+          f"; n={a.n}, density={a.density}, repeat={a.repeat}, warmup={a.warmup}")
+    print(f"# fit: alpha={fit['alpha']:.3e} s, beta={fit['beta']:.3e} s/B, "
+          f"gamma={fit['gamma']:.3e} s/B; s(P) = max(1, P/{cores})")
+    print(_table(rows))
+    sparse = [r for r in rows if r["algorithm"] in SPARSE]
+    within = sum(abs(r["rel_error"]) <= 0.30 for r in sparse)
+    print(f"# sparse algorithms within ±30%: {within}/{len(sparse)}; "
+          f"median |error| {_median([abs(r['rel_error']) for r in sparse]):.0%}")
+    try:
+        load = os.getloadavg()[0]
+        print(f"# load average (1 min) at the end: {load:.1f}")
+    except OSError:
+        pass
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"fit": fit, "rows": rows, "cores": cores,
+                                           "host": platform.node(), "argv": sys.argv,
+                                           "n": a.n, "density": a.density}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

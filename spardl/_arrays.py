@@ -1,0 +1,187 @@
+"""The array operations the allreducers use besides the twelve kernels, for host and device.
+
+Every per-step buffer of an allreducer (X = g + E_old, partial sums, the residual, selections)
+is either a NumPy array or, for GPU gradients, a Numba device array; these functions take either
+and return the same kind, so an algorithm reads the same for both. Host arrays run NumPy; device
+arrays run the small ``@cuda.jit`` kernels of :mod:`spardl_kernels.cuda._layer` (imported only
+when a device array is seen, so CPU-only use never imports ``numba.cuda``). Results are bit for
+bit equal on both sides (plain IEEE operations in the same order). Small host-side metadata
+(counts, bounds, schedules) stays NumPy and does not come here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from spardl_kernels._dispatch import is_device_array
+
+__all__ = [
+    "is_device", "device_ops", "view", "to_host", "to_device", "like", "empty", "zeros", "copy",
+    "cast", "add_into", "set_at", "zero_at", "zero_members", "sub_members", "shift", "take",
+    "absolute", "divide", "all_finite", "arange", "concat", "aligned",
+]
+
+
+def is_device(x) -> bool:
+    """True for GPU arrays (``__cuda_array_interface__``, Numba device arrays, the simulator's)."""
+    return is_device_array(x)
+
+
+def device_ops():
+    """The device implementation module (imports ``numba.cuda``); RuntimeError without CUDA."""
+    from spardl_kernels._dispatch import _cuda_module
+
+    _cuda_module()  # the clear "no CUDA" error, if any
+    return importlib.import_module("spardl_kernels.cuda._layer")
+
+
+def view(x):
+    """A device array as a Numba device array (zero copy); host arrays unchanged."""
+    return device_ops().view(x) if is_device(x) else x
+
+
+def to_host(x) -> np.ndarray:
+    """A host NumPy copy of a device array; host arrays are returned as NumPy arrays."""
+    if is_device(x):
+        return device_ops().view(x).copy_to_host()
+    return np.asarray(x)
+
+
+def to_device(x):
+    """A device copy of a host array; device arrays are returned as they are (zero copy)."""
+    if is_device(x):
+        return view(x)
+    from numba import cuda
+
+    return cuda.to_device(np.ascontiguousarray(x))
+
+
+def like(x, on_device: bool):
+    """``x`` on the device when ``on_device``, else on the host (a copy only when it moves)."""
+    return to_device(x) if on_device else to_host(x)
+
+
+def empty(m: int, dtype, device: bool):
+    """An uninitialised 1-D array of length m."""
+    return device_ops().empty(m, dtype) if device else np.empty(int(m), dtype=dtype)
+
+
+def zeros(m: int, dtype, device: bool):
+    """A 1-D array of m zeros."""
+    return device_ops().zeros(m, dtype) if device else np.zeros(int(m), dtype=dtype)
+
+
+def arange(m: int, device: bool):
+    """int64 0 … m−1."""
+    return device_ops().arange(m) if device else np.arange(int(m), dtype=np.int64)
+
+
+def copy(x):
+    """A contiguous copy (bit for bit)."""
+    return device_ops().copy(x) if is_device(x) else np.array(x, copy=True)
+
+
+def cast(x, dtype, copy: bool = True):
+    """``x.astype(dtype)``; without ``copy`` the same object when the dtype already matches."""
+    dtype = np.dtype(dtype)
+    if not copy and x.dtype == dtype:
+        return x
+    return device_ops().cast(x, dtype) if is_device(x) else x.astype(dtype, copy=True)
+
+
+def add_into(x, y):
+    """``x += y`` in place; returns x."""
+    if is_device(x):
+        return device_ops().add_into(x, y)
+    x += y
+    return x
+
+
+def set_at(s, idx, vals):
+    """``s[idx] = vals`` in place (idx unique); returns s."""
+    if is_device(s):
+        return device_ops().set_at(s, idx, vals)
+    s[idx] = vals
+    return s
+
+
+def zero_at(s, idx):
+    """``s[idx] = 0`` in place; returns s."""
+    if is_device(s):
+        return device_ops().zero_at(s, idx)
+    s[idx] = 0
+    return s
+
+
+def _member_mask(idx, members):
+    if len(members) == 0 or len(idx) == 0:
+        return np.zeros(len(idx), dtype=bool)
+    pos = np.minimum(np.searchsorted(members, idx), len(members) - 1)
+    return members[pos] == idx
+
+
+def zero_members(s, idx, members):
+    """``s[i] = 0`` for every i in ``idx`` that is also in the ascending array ``members``."""
+    if is_device(s):
+        return device_ops().zero_members(s, idx, members)
+    s[idx[_member_mask(idx, members)]] = 0
+    return s
+
+
+def sub_members(s, idx, vals, members):
+    """``s[i] = s[i] + (−v)`` for (i, v) in (idx, vals) with i in the ascending ``members``
+    (idx unique); returns s."""
+    if is_device(s):
+        return device_ops().sub_members(s, idx, vals, members)
+    hit = _member_mask(idx, members)
+    s[idx[hit]] = s[idx[hit]] + (-vals[hit])
+    return s
+
+
+def shift(idx, c: int):
+    """``idx.astype(int64) + c`` (a new array)."""
+    if is_device(idx):
+        return device_ops().shift(idx, c)
+    out = idx.astype(np.int64, copy=True)
+    out += int(c)
+    return out
+
+
+def take(a, pos):
+    """``a[pos]`` for any dtype (a new array)."""
+    return device_ops().take(a, pos) if is_device(a) else a[pos]
+
+
+def absolute(a):
+    """``abs(a)`` (a new array)."""
+    return device_ops().absolute(a) if is_device(a) else np.abs(a)
+
+
+def divide(a, s):
+    """``a / a.dtype.type(s)`` (a new array, in a's dtype)."""
+    if is_device(a):
+        return device_ops().divide(a, s)
+    return a / a.dtype.type(s)
+
+
+def all_finite(a) -> bool:
+    """``np.all(np.isfinite(a))``."""
+    return device_ops().all_finite(a) if is_device(a) else bool(np.all(np.isfinite(a)))
+
+
+def aligned(a):
+    """A byte buffer whose typed views are aligned: device rows that start at an odd offset of
+    a received buffer are copied; host arrays are returned as they are."""
+    return device_ops().aligned(a) if is_device(a) else a
+
+
+def concat(parts, dtype, device: bool):
+    """The concatenation of 1-D arrays as one new array of ``dtype`` on the host or device."""
+    if device:
+        return device_ops().concat(list(parts), dtype)
+    parts = list(parts)
+    if not parts:
+        return np.empty(0, dtype=dtype)
+    return np.concatenate(parts).astype(dtype, copy=False)

@@ -1,0 +1,187 @@
+"""Fit the α-β(-γ) model's parameters on the machine at hand.
+
+* α (s/message) and β (s/byte) from a ping-pong between ranks 0 and 1 (``spardl bench pingpong``
+  under ``mpiexec -n 2``): for sizes 8 B … 4 MiB, the one-way time t(s) = round trip / 2 (median
+  of the repeats), then a least-squares fit t(s) ≈ α + β·s.
+* γ (s/byte merged) from the merge kernel: the time of ``merge_add`` of two sparse vectors per
+  byte of (int32 index, float32 value) pairs that go in (every byte that arrives in a sparse
+  allreduce is merged once; see :mod:`spardl.cost_model`).
+
+The messages go through :class:`spardl.comm.Comm` (``send_bytes`` / ``recv_bytes``), the same
+path the allreducers' one-way messages take.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+
+import numpy as np
+
+__all__ = ["DEFAULT_SIZES", "pingpong", "fit_alpha_beta", "fit_gamma", "run"]
+
+#: Message sizes in bytes: 8 B, 16 B, ..., 4 MiB.
+DEFAULT_SIZES = tuple(8 << i for i in range(20))
+
+
+def _repeats(size: int, repeat: int | None) -> int:
+    # Enough round trips that small messages are not lost in timer noise, few for large ones.
+    if repeat is not None:
+        return int(repeat)
+    return int(min(200, max(5, (1 << 22) // max(size, 1))))
+
+
+def pingpong(comm, sizes=DEFAULT_SIZES, repeat: int | None = None, warmup: int = 2):
+    """One-way message times between ranks 0 and 1 (collective over ``comm``).
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm or spardl.comm.Comm
+        At least 2 ranks; ranks ≥ 2 only wait at the barriers.
+    sizes : sequence of int
+        Message sizes in bytes, each ≥ 1.
+    repeat : int, optional
+        Round trips per size (default: 200 for small sizes down to 5 for 4 MiB).
+    warmup : int, default 2
+        Untimed round trips per size.
+
+    Returns
+    -------
+    list of (int, float)
+        (size in bytes, median one-way seconds), identical on every rank.
+
+    Raises
+    ------
+    ValueError
+        If the communicator has fewer than 2 ranks or a size is < 1 (on every rank).
+    """
+    from .comm import Comm
+
+    c = comm if isinstance(comm, Comm) else Comm(comm)
+    sizes = [int(s) for s in sizes]
+    if c.size < 2:
+        raise ValueError(f"pingpong needs at least 2 ranks (run under mpiexec -n 2), "
+                         f"got {c.size}")
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"sizes must be positive byte counts, got {sizes}")
+    out = []
+    for size in sizes:
+        buf = np.zeros(size, dtype=np.uint8)
+        times = []
+        for i in range(warmup + _repeats(size, repeat)):
+            c.mpi.Barrier()
+            if c.rank == 0:
+                t0 = time.perf_counter()
+                c.send_bytes(buf, 1)
+                c.recv_bytes(1, size)
+                if i >= warmup:
+                    times.append((time.perf_counter() - t0) / 2)
+            elif c.rank == 1:
+                c.recv_bytes(0, size)
+                c.send_bytes(buf, 0)
+        t = float(np.median(times)) if times else 0.0
+        out.append((size, t))
+    # Rank 0 measured; every rank returns its numbers.
+    return [(int(s), float(t)) for s, t in c.mpi.bcast(out, root=0)]
+
+
+def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:
+    """Least-squares fit of t(s) ≈ α + β·s, weighted by 1/t (relative residuals).
+
+    Plain least squares on absolute times lets the megabyte messages decide everything and
+    often gives a negative α; weighting each point by 1/t fits small and large messages alike.
+
+    Parameters
+    ----------
+    sizes : sequence of int
+        Message sizes in bytes (at least two distinct).
+    seconds : sequence of float
+        One-way times, same length, > 0.
+
+    Returns
+    -------
+    (alpha, beta)
+        Seconds per message and per byte, both ≥ 0 (a negative fitted value is clipped to 0
+        and the other refitted).
+
+    Raises
+    ------
+    ValueError
+        If the lengths differ, fewer than two distinct sizes are given or a time is ≤ 0.
+    """
+    s = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if s.shape != t.shape or s.ndim != 1:
+        raise ValueError(f"sizes and seconds must be 1-D of one length, got {s.shape}, {t.shape}")
+    if len(np.unique(s)) < 2:
+        raise ValueError("sizes must hold at least two distinct values")
+    if not np.all(t > 0):
+        raise ValueError("seconds must all be > 0")
+    w = 1.0 / t
+    A = np.stack([np.ones_like(s), s], axis=1) * w[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(A, t * w, rcond=None)
+    if alpha < 0:
+        alpha, beta = 0.0, float(np.sum(w * w * s * t) / np.sum(w * w * s * s))
+    if beta < 0:
+        alpha, beta = float(np.sum(w * w * t) / np.sum(w * w)), 0.0
+    return float(alpha), float(beta)
+
+
+def fit_gamma(pairs: int = 1 << 18, repeat: int = 5, seed: int = 0) -> float:
+    """Seconds per byte merged: ``merge_add`` of two sorted sparse vectors of ``pairs`` pairs.
+
+    The bytes are those of the wire format (int32 index + float32 value = 8 bytes per pair) of
+    the vector that arrives, so γ multiplies the same byte counts as β. Local, no MPI.
+
+    Returns
+    -------
+    float
+        The median over ``repeat`` timed merges (after one untimed, compiling call) divided by
+        8·``pairs``.
+    """
+    import spardl_kernels as K
+
+    rng = np.random.default_rng(seed)
+    n = 64 * pairs
+    ia = np.sort(rng.choice(n, pairs, replace=False)).astype(np.int64)
+    ib = np.sort(rng.choice(n, pairs, replace=False)).astype(np.int64)
+    va = rng.standard_normal(pairs).astype(np.float32)
+    vb = rng.standard_normal(pairs).astype(np.float32)
+    K.merge_add(ia, va, ib, vb)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        K.merge_add(ia, va, ib, vb)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / (8 * pairs)
+
+
+def run(args, world) -> int:
+    """``spardl bench pingpong``: measure, fit, print on rank 0, optionally write JSON.
+
+    ``args`` has ``sizes`` (list of int or None), ``repeat``, ``json`` (path or None) and
+    ``no_gamma``.
+    """
+    sizes = args.sizes or DEFAULT_SIZES
+    rows = pingpong(world, sizes, repeat=args.repeat)
+    alpha, beta = fit_alpha_beta([s for s, _ in rows], [t for _, t in rows])
+    gamma = None if args.no_gamma else fit_gamma()
+    if world.Get_rank() != 0:
+        return 0
+    print(f"# ping-pong between ranks 0 and 1 of {world.Get_size()}, host {platform.node()}")
+    print(f"{'bytes':>9} {'one-way us':>11} {'fit us':>9} {'MB/s':>9}")
+    for s, t in rows:
+        fit = alpha + beta * s
+        print(f"{s:>9} {t * 1e6:>11.2f} {fit * 1e6:>9.2f} {s / t / 1e6 if t else 0:>9.1f}")
+    print(f"alpha = {alpha:.3e} s/message ({alpha * 1e6:.2f} us)")
+    print(f"beta  = {beta:.3e} s/byte ({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)")
+    if gamma is not None:
+        print(f"gamma = {gamma:.3e} s/byte merged (merge_add, int32+float32 pairs)")
+    if args.json:
+        doc = {"alpha": alpha, "beta": beta, "gamma": gamma, "host": platform.node(),
+               "P": world.Get_size(), "rows": [{"bytes": s, "seconds": t} for s, t in rows]}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,212 @@
+"""Message traces: record every message an allreducer sends, gather them, save them, replay them.
+
+A trace is, per rank, the list of messages that rank sent, in order, as records
+``(step, phase, kind, peer, bytes)`` (:meth:`spardl.comm.Comm.start_trace`):
+
+* ``step``: the allreducer call it belongs to (the communicator's call counter);
+* ``phase``: the algorithm's phase ("srs", "sag_allgather", "split_reduce", "allgather", ...);
+* ``kind``: "p2p" for a point-to-point message, else the collective ("allgather",
+  "allgatherv", "bcast", "allreduce");
+* ``peer``: the destination rank in the communicator that sent it (a sub-communicator's rank for
+  SparDL's teams), −1 for a collective;
+* ``bytes``: the payload; for a collective, the volume :mod:`spardl.comm` accounts for this rank.
+
+The records are exactly what ``stats`` counts: one record per ``stats["messages"]`` increment,
+and their bytes add up to the ``stats["bytes_sent"]`` increment. Recording costs nothing when it
+is off (one ``is None`` test per message).
+
+Typical use, under ``mpiexec``::
+
+    ar = spardl.make("spardl", MPI.COMM_WORLD, n, density=0.01)
+    with spardl.trace.record(ar) as t:
+        for g in grads:
+            ar(g)
+    traces = spardl.trace.gather_traces(MPI.COMM_WORLD, t)    # collective
+    if rank == 0:
+        spardl.trace.save_traces("trace.json", traces, meta={"algorithm": "spardl", "n": n})
+        print(spardl.cost_model.replay(traces, alpha=25e-6, beta=0.8e-9))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Trace", "record", "gather_traces", "save_traces", "load_traces", "summarize",
+           "FORMAT"]
+
+#: The ``format`` tag of a saved trace file.
+FORMAT = "spardl-trace/1"
+_FIELDS = ("step", "phase", "kind", "peer", "bytes")
+
+
+@dataclass
+class Trace:
+    """One rank's recorded messages.
+
+    Attributes
+    ----------
+    rank : int
+        The recording rank in the allreducer's communicator.
+    size : int
+        P, the communicator's size.
+    records : list of tuple
+        ``(step, phase, kind, peer, bytes)`` per message sent, in order; filled when the
+        :func:`record` block ends.
+    """
+
+    rank: int
+    size: int
+    records: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def _comm_of(obj):
+    """The :class:`spardl.comm.Comm` of an allreducer, or the object itself if it is one."""
+    comm = getattr(obj, "comm", obj)
+    if not all(hasattr(comm, a) for a in ("start_trace", "stop_trace", "rank", "size")):
+        raise TypeError(
+            "record() needs an allreducer (spardl.make(...)) or a spardl.comm.Comm, "
+            f"got {type(obj).__name__}"
+        )
+    return comm
+
+
+@contextlib.contextmanager
+def record(allreducer):
+    """Record every message ``allreducer`` sends inside the ``with`` block.
+
+    Parameters
+    ----------
+    allreducer : spardl.Allreducer or spardl.comm.Comm
+        What to record (its communicator, including SparDL's team sub-communicators, which
+        share its accounting).
+
+    Yields
+    ------
+    Trace
+        Empty inside the block; holds this rank's records once the block ends (also when it
+        ends with an exception).
+
+    Raises
+    ------
+    TypeError
+        If ``allreducer`` has no spardl communicator.
+
+    Notes
+    -----
+    Local: no message is sent to start or stop recording. Only one recording per communicator
+    at a time (starting one discards a recording in progress).
+    """
+    comm = _comm_of(allreducer)
+    t = Trace(rank=int(comm.rank), size=int(comm.size))
+    comm.start_trace()
+    try:
+        yield t
+    finally:
+        t.records = [tuple(r) for r in comm.stop_trace()]
+
+
+def gather_traces(comm, trace) -> list[list[tuple]]:
+    """Every rank's records, on every rank (collective over ``comm``).
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm, spardl.comm.Comm or spardl.Allreducer
+        The communicator the trace was recorded on (every rank must call).
+    trace : Trace or list of records
+        This rank's trace.
+
+    Returns
+    -------
+    list of P lists of (step, phase, kind, peer, bytes)
+        Index r holds rank r's records, ready for :func:`spardl.cost_model.replay`.
+
+    Raises
+    ------
+    TypeError
+        If ``comm`` is not a communicator.
+    """
+    comm = getattr(comm, "comm", comm)  # an allreducer
+    mpi = getattr(comm, "mpi", comm)  # a spardl Comm wraps an mpi4py communicator
+    if not hasattr(mpi, "allgather"):
+        raise TypeError(f"comm must be an mpi4py or spardl communicator, got {type(comm).__name__}")
+    records = trace.records if isinstance(trace, Trace) else list(trace)
+    # The object all-gather of the wrapped communicator (not counted in the allreducer's
+    # stats: a trace is metadata, not a message of the algorithm).
+    return [[tuple(r) for r in recs] for recs in mpi.allgather([tuple(r) for r in records])]
+
+
+def save_traces(path, traces, meta: dict | None = None) -> Path:
+    """Write gathered traces as JSON.
+
+    Parameters
+    ----------
+    path : str or Path
+        Output file.
+    traces : list of P lists of records
+        From :func:`gather_traces`.
+    meta : dict, optional
+        JSON-serialisable facts to keep beside them (algorithm, n, density, machine, ...).
+
+    Returns
+    -------
+    Path
+        The written file. Its layout: ``{"format": "spardl-trace/1", "P": P, "fields": [...],
+        "meta": {...}, "ranks": [[[step, phase, kind, peer, bytes], ...], ...]}``.
+    """
+    path = Path(path)
+    doc = {"format": FORMAT, "P": len(traces), "fields": list(_FIELDS), "meta": meta or {},
+           "ranks": [[list(r) for r in recs] for recs in traces]}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def load_traces(path) -> tuple[list[list[tuple]], dict]:
+    """Read a file written by :func:`save_traces`.
+
+    Returns
+    -------
+    (traces, meta)
+        The per-rank records as tuples, and the saved metadata.
+
+    Raises
+    ------
+    ValueError
+        If the file is not a spardl trace of a known format.
+    """
+    doc = json.loads(Path(path).read_text())
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} file")
+    traces = [[tuple(r) for r in recs] for recs in doc["ranks"]]
+    if len(traces) != doc.get("P"):
+        raise ValueError(f"{path}: P={doc.get('P')} but {len(traces)} ranks of records")
+    return traces, doc.get("meta", {})
+
+
+def summarize(traces) -> list[dict]:
+    """Per rank: messages and bytes sent, in total and per phase and kind.
+
+    Returns
+    -------
+    list of dict
+        ``traces[r]`` summarized as ``{"messages", "bytes", "steps", "phases": {phase:
+        {"messages", "bytes"}}, "kinds": {kind: messages}}``.
+    """
+    out = []
+    for recs in traces:
+        s = {"messages": 0, "bytes": 0, "steps": len({r[0] for r in recs}), "phases": {},
+             "kinds": {}}
+        for _step, phase, kind, _peer, nbytes in recs:
+            s["messages"] += 1
+            s["bytes"] += int(nbytes)
+            ph = s["phases"].setdefault(phase, {"messages": 0, "bytes": 0})
+            ph["messages"] += 1
+            ph["bytes"] += int(nbytes)
+            s["kinds"][kind] = s["kinds"].get(kind, 0) + 1
+        out.append(s)
+    return out

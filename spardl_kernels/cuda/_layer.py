@@ -1,0 +1,288 @@
+"""Private device helpers for the collective layer (``spardl._arrays``), not kernels of the
+contract: the few elementwise operations an allreducer does on its per-step buffers besides the
+twelve kernels (X = g + E, setting and zeroing positions, index shifts, casts, packing).
+
+Every function takes and returns Numba device arrays (or objects exposing
+``__cuda_array_interface__``, wrapped zero-copy) and runs on the GPU or the CUDA simulator.
+Launch sizes come from :mod:`spardl_kernels.config` through ``_common.launch``. Results are bit
+for bit those of the NumPy expressions named in each docstring (IEEE single/double operations,
+no fast-math).
+"""
+
+import math
+
+import numpy as np
+from numba import cuda, int64
+
+from . import _common as C
+
+# ---------------------------------------------------------------------------------------------
+# kernels (grid-stride, one element per thread)
+# ---------------------------------------------------------------------------------------------
+
+
+@cuda.jit
+def _add_into(x, y):
+    # x += y
+    for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        x[i] += y[i]
+
+
+@cuda.jit
+def _fill(x, v):
+    for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        x[i] = v
+
+
+@cuda.jit
+def _set_at(s, idx, vals):
+    # s[idx] = vals (idx unique)
+    for j in range(cuda.grid(1), idx.shape[0], cuda.gridsize(1)):
+        s[idx[j]] = vals[j]
+
+
+@cuda.jit
+def _zero_at(s, idx):
+    for j in range(cuda.grid(1), idx.shape[0], cuda.gridsize(1)):
+        s[idx[j]] = 0
+
+
+@cuda.jit(device=True)
+def _member(sorted_idx, v):
+    # is v in the ascending array sorted_idx (binary search, lower bound)
+    lo = 0
+    hi = sorted_idx.shape[0]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sorted_idx[mid] < v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo < sorted_idx.shape[0] and sorted_idx[lo] == v
+
+
+@cuda.jit
+def _zero_members(s, idx, members):
+    # s[idx[j]] = 0 where idx[j] is in members
+    for j in range(cuda.grid(1), idx.shape[0], cuda.gridsize(1)):
+        if _member(members, idx[j]):
+            s[idx[j]] = 0
+
+
+@cuda.jit
+def _sub_members(s, idx, vals, members):
+    # s[idx[j]] += -vals[j] where idx[j] is in members (scatter_add of the negated values)
+    for j in range(cuda.grid(1), idx.shape[0], cuda.gridsize(1)):
+        if _member(members, idx[j]):
+            s[idx[j]] = s[idx[j]] + (-vals[j])
+
+
+@cuda.jit
+def _shift(a, c, out):
+    # out = a + c (int64)
+    for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        out[i] = int64(a[i]) + c
+
+
+@cuda.jit
+def _take(a, pos, out):
+    # out = a[pos]
+    for j in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        out[j] = a[pos[j]]
+
+
+@cuda.jit
+def _abs(a, out):
+    for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        out[i] = abs(a[i])
+
+
+@cuda.jit
+def _divide(a, s, out):
+    # out = a / s, s of a's dtype
+    for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        out[i] = a[i] / s
+
+
+@cuda.jit
+def _count_nonfinite(a, res):
+    # res[0] += #{i : a[i] is NaN or ±inf}
+    c = 0
+    for i in range(cuda.grid(1), a.shape[0], cuda.gridsize(1)):
+        if math.isinf(a[i]) or math.isnan(a[i]):
+            c += 1
+    if c:
+        cuda.atomic.add(res, 0, c)
+
+
+# ---------------------------------------------------------------------------------------------
+# host wrappers
+# ---------------------------------------------------------------------------------------------
+
+
+def view(x):
+    """``x`` as a Numba device array without copying device memory."""
+    return C.to_device(x)
+
+
+def empty(m, dtype):
+    return C.empty(int(m), dtype)
+
+
+def zeros(m, dtype):
+    out = C.empty(int(m), dtype)
+    if m:
+        C.launch(_fill, m)(out, np.dtype(dtype).type(0))
+    return out
+
+
+def copy(a):
+    """A contiguous device copy, bit for bit (floats move as their bit patterns)."""
+    a = view(a)
+    dt = np.dtype(a.dtype)
+    if dt.kind == "f":
+        return C.cast(C.bits_of(a), C.BITS[dt.name]).view(dt)
+    return C.cast(a, dt)
+
+
+def cast(a, dtype):
+    """``a.astype(dtype)`` on the device (a new array; float16 -> float32 is exact)."""
+    return C.cast(view(a), np.dtype(dtype))
+
+
+def add_into(x, y):
+    """``x += y`` in place."""
+    if x.shape[0]:
+        C.launch(_add_into, x.shape[0])(x, view(y))
+    return x
+
+
+def set_at(s, idx, vals):
+    """``s[idx] = vals`` in place (idx unique)."""
+    if idx.shape[0]:
+        C.launch(_set_at, idx.shape[0])(s, view(idx), view(vals))
+    return s
+
+
+def zero_at(s, idx):
+    """``s[idx] = 0`` in place."""
+    if idx.shape[0]:
+        C.launch(_zero_at, idx.shape[0])(s, view(idx))
+    return s
+
+
+def zero_members(s, idx, members):
+    """``s[i] = 0`` for every i of ``idx`` that is in the ascending array ``members``."""
+    if idx.shape[0] and members.shape[0]:
+        C.launch(_zero_members, idx.shape[0])(s, view(idx), view(members))
+    return s
+
+
+def sub_members(s, idx, vals, members):
+    """``s[i] += -v`` for every (i, v) of (idx, vals) with i in the ascending ``members``."""
+    if idx.shape[0] and members.shape[0]:
+        C.launch(_sub_members, idx.shape[0])(s, view(idx), view(vals), view(members))
+    return s
+
+
+def shift(a, c):
+    """``a.astype(int64) + c`` as a new int64 array."""
+    a = view(a)
+    out = C.empty(a.shape[0], np.int64)
+    if a.shape[0]:
+        C.launch(_shift, a.shape[0])(a, int64(c), out)
+    return out
+
+
+def take(a, pos):
+    """``a[pos]`` for any dtype (a new array)."""
+    a, pos = view(a), view(pos)
+    out = C.empty(pos.shape[0], a.dtype)
+    if pos.shape[0]:
+        C.launch(_take, pos.shape[0])(a, pos, out)
+    return out
+
+
+def absolute(a):
+    a = view(a)
+    out = C.empty(a.shape[0], a.dtype)
+    if a.shape[0]:
+        C.launch(_abs, a.shape[0])(a, out)
+    return out
+
+
+def divide(a, s):
+    """``a / a.dtype.type(s)`` (a new array)."""
+    a = view(a)
+    out = C.empty(a.shape[0], a.dtype)
+    if a.shape[0]:
+        C.launch(_divide, a.shape[0])(a, np.dtype(a.dtype).type(s), out)
+    return out
+
+
+def all_finite(a):
+    """``np.all(np.isfinite(a))``, one small copy back."""
+    a = view(a)
+    if a.shape[0] == 0:
+        return True
+    res = cuda.to_device(np.zeros(1, np.int64))
+    C.launch(_count_nonfinite, a.shape[0])(a, res)
+    return int(res.copy_to_host()[0]) == 0
+
+
+def arange(m):
+    return C.arange(int(m))
+
+
+def concat(parts, dtype):
+    """The concatenation of 1-D device (or small host) arrays, cast to ``dtype``."""
+    dtype = np.dtype(dtype)
+    total = sum(int(p.shape[0]) for p in parts)
+    out = C.empty(total, dtype)
+    pos = 0
+    for p in parts:
+        c = int(p.shape[0])
+        if c:
+            src = view(p)
+            if dtype.kind == "f" and np.dtype(src.dtype) == dtype:
+                # floats move as bit patterns (NaN payloads and -0.0 kept)
+                C.launch(C._copy, c)(C.bits_of(src), out[pos : pos + c].view(C.BITS[dtype.name]))
+            else:
+                C.launch(C._copy, c)(src, out[pos : pos + c])
+        pos += c
+    return out
+
+
+def _address(a):
+    if hasattr(a, "__cuda_array_interface__"):
+        return int(a.__cuda_array_interface__["data"][0])
+    return int(a._ary.ctypes.data)  # the simulator's arrays wrap host memory
+
+
+def aligned(a, alignment=8):
+    """``a`` itself when its first byte is ``alignment``-aligned, else an aligned device copy
+    (byte rows of an all-gather start anywhere; typed views of them must be aligned)."""
+    a = view(a)
+    if a.shape[0] == 0 or _address(a) % alignment == 0:
+        return a
+    return copy(a)
+
+
+def copy_into(dst, src):
+    """``dst[:] = src`` (same length; a cast when the dtypes differ, else bit for bit)."""
+    src = view(src)
+    c = src.shape[0]
+    if c:
+        dt = np.dtype(dst.dtype)
+        if dt.kind == "f" and np.dtype(src.dtype) == dt:
+            C.launch(C._copy, c)(C.bits_of(src), dst.view(C.BITS[dt.name]))
+        else:
+            C.launch(C._copy, c)(src, dst)
+    return dst
+
+
+def shift_into(out, a, c):
+    """``out[:] = a + c`` (a's integers shifted by c, stored in out's integer dtype)."""
+    if a.shape[0]:
+        C.launch(_shift, a.shape[0])(view(a), int64(c), out)
+    return out

@@ -1,0 +1,40 @@
+"""Runs tests/mpi_cudasim (GPU buffers through the whole collective pipeline) on the Numba CUDA
+simulator under `mpiexec -n P` for P in {1, 2, 3, 4}.
+
+Part of the cudasim line of ``make test``::
+
+    NUMBA_ENABLE_CUDASIM=1 .venv/bin/python -m pytest -q -m cudasim tests/test_gpu_pipeline.py
+
+Without ``NUMBA_ENABLE_CUDASIM=1`` (and without a GPU) it is skipped, so the plain test run does
+not pay for the simulator twice.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from mpirun import run_mpi
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def _gpu_or_sim() -> bool:
+    if SIM:
+        return True
+    try:
+        from numba import cuda
+
+        return cuda.is_available()
+    except Exception:  # noqa: BLE001 - no numba-cuda: no GPU path to test
+        return False
+
+
+@pytest.mark.cudasim
+@pytest.mark.mpi
+@pytest.mark.skipif(not _gpu_or_sim(), reason="needs NUMBA_ENABLE_CUDASIM=1 or a CUDA GPU")
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_gpu_pipeline_under_mpiexec(P):
+    env = {"NUMBA_ENABLE_CUDASIM": "1"} if SIM else {}
+    run_mpi(P, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/mpi_cudasim"],
+            timeout=600, env=env)

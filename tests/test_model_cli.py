@@ -1,0 +1,86 @@
+"""``spardl model`` (JSON shape, the BERT-base acceptance) and ``spardl bench pingpong``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from mpirun import ROOT, run_mpi
+
+from spardl import cost_model
+from spardl.model_cli import parse_P, teams_candidates
+
+
+def _model(*args):
+    proc = subprocess.run([sys.executable, "-m", "spardl", "model", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    return proc
+
+
+def test_model_json_shape_and_acceptance():
+    proc = _model("--model", "bert-base", "--density", "0.01", "--network", "ethernet-10g",
+                  "--P", "8,256", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert {r["algorithm"] for r in rows} == set(cost_model.FORMULAS)
+    assert {r["P"] for r in rows} == {8, 256}
+    for r in rows:
+        for key in ("algorithm", "P", "n", "density", "network", "teams", "seconds"):
+            assert key in r
+        assert r["n"] == 110_000_000 and r["density"] == 0.01
+        assert r["network"] == "ethernet-10g" and r["seconds"] > 0
+        assert r["P"] % r["teams"] == 0
+    for P in (8, 256):
+        here = [r for r in rows if r["P"] == P]
+        assert sum(r["best"] for r in here) == 1
+        assert min(here, key=lambda r: r["seconds"])["best"]
+    t = {r["algorithm"]: r["seconds"] for r in rows if r["P"] == 256}
+    assert t["spardl"] <= 0.6 * t["oktopk"]
+    assert t["spardl"] <= 0.1 * t["dense"]
+
+
+def test_model_overrides_plot_and_errors(tmp_path):
+    png = tmp_path / "m.png"
+    proc = _model("--n", "1000000", "--alpha", "1e-6", "--beta", "1e-10", "--P", "2-16",
+                  "--algorithms", "spardl,dense", "--plot", str(png), "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert sorted({r["P"] for r in rows}) == [2, 4, 8, 16]
+    assert all(r["alpha"] == 1e-6 and r["beta"] == 1e-10 for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = _model("--P", "0-4")
+    assert bad.returncode == 2 and "--P" in bad.stderr
+
+
+def test_parse_P_and_teams():
+    assert parse_P("2-16") == [2, 4, 8, 16]
+    assert parse_P("3-20") == [3, 4, 8, 16, 20]
+    assert parse_P("6,2") == [2, 6]
+    with pytest.raises(ValueError, match="--P"):
+        parse_P("x")
+    assert teams_candidates(12) == [1, 2, 3, 4, 6, 12]
+    assert teams_candidates(4096) == [1 << i for i in range(13)]
+
+
+@pytest.mark.mpi
+def test_bench_pingpong_under_mpiexec(tmp_path):
+    out = tmp_path / "pp.json"
+    proc = run_mpi(2, ["-m", "spardl", "bench", "pingpong", "--sizes", "8,1024,65536,1048576",
+                       "--repeat", "5", "--no-gamma", "--json", str(out)], timeout=120)
+    assert "alpha =" in proc.stdout and "beta" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert [r["bytes"] for r in doc["rows"]] == [8, 1024, 65536, 1048576]
+    assert doc["alpha"] >= 0 and doc["beta"] > 0
+    assert all(r["seconds"] > 0 for r in doc["rows"])
+
+
+def test_fit_alpha_beta_recovers_a_line():
+    from spardl.pingpong import fit_alpha_beta
+
+    sizes = [8 << i for i in range(20)]
+    alpha, beta = fit_alpha_beta(sizes, [3e-6 + 2e-10 * s for s in sizes])
+    assert alpha == pytest.approx(3e-6, rel=1e-6) and beta == pytest.approx(2e-10, rel=1e-6)
+    with pytest.raises(ValueError, match="distinct"):
+        fit_alpha_beta([8, 8], [1e-6, 1e-6])

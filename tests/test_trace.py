@@ -1,0 +1,108 @@
+"""spardl.trace: record under mpiexec, gather, save/load as JSON, replay; counts equal ``stats``.
+
+The file is also the MPI program the test runs (``python tests/test_trace.py OUT.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from mpirun import run_mpi
+
+from spardl import cost_model
+
+ALGS = ("spardl", "oktopk", "topka", "gaussiank", "topkdsa", "gtopk", "dense")
+N, DENSITY, STEPS = 4_000, 0.02, 3
+
+
+def _child(out: str) -> None:
+    """Under mpiexec: two untraced calls, then STEPS traced ones; rank 0 saves everything."""
+    import numpy as np
+    from mpi4py import MPI
+
+    import spardl
+    import spardl.trace as tr
+
+    comm = MPI.COMM_WORLD
+    doc = {}
+    for alg in ALGS:
+        ar = spardl.make(alg, comm, N, density=DENSITY)
+        rng = np.random.default_rng(comm.rank)
+        for _ in range(2):
+            ar(rng.standard_normal(N).astype(np.float32))
+        s0 = (ar.stats["messages"], ar.stats["bytes_sent"])
+        with tr.record(ar) as t:
+            for _ in range(STEPS):
+                ar(rng.standard_normal(N).astype(np.float32))
+        delta = (ar.stats["messages"] - s0[0], ar.stats["bytes_sent"] - s0[1])
+        traces = tr.gather_traces(comm, t)
+        deltas = comm.allgather(delta)
+        outside = len(t)
+        ar(rng.standard_normal(N).astype(np.float32))  # not recorded once the block ended
+        assert len(t) == outside
+        if comm.rank == 0:
+            path = Path(out).with_suffix(f".{alg}.json")
+            tr.save_traces(path, traces, meta={"algorithm": alg, "stats": deltas})
+            doc[alg] = str(path)
+    if comm.rank == 0:
+        Path(out).write_text(json.dumps(doc))
+
+
+@pytest.mark.mpi
+def test_recorded_traces_match_stats_and_replay(tmp_path):
+    import spardl.trace as tr
+
+    P = 4
+    out = tmp_path / "traces.json"
+    run_mpi(P, ["tests/test_trace.py", str(out)], timeout=180)
+    files = json.loads(out.read_text())
+    assert sorted(files) == sorted(ALGS)
+    for alg, path in files.items():
+        traces, meta = tr.load_traces(path)
+        assert meta["algorithm"] == alg and len(traces) == P
+        summary = tr.summarize(traces)
+        for r in range(P):
+            msgs, sent = meta["stats"][r]
+            assert summary[r]["messages"] == msgs, (alg, r)
+            assert summary[r]["bytes"] == sent, (alg, r)
+            assert summary[r]["steps"] == STEPS, (alg, r)
+        steps = cost_model.replay_steps(traces, alpha=1e-5, beta=1e-9)
+        assert len(steps) == STEPS
+        for r in range(P):  # the replay's per-step counts add up to the stats increments
+            assert sum(s["messages"][r] for s in steps) == meta["stats"][r][0], (alg, r)
+            assert sum(s["bytes"][r] for s in steps) == meta["stats"][r][1], (alg, r)
+        for s in steps:
+            assert s["seconds"] == pytest.approx(max(
+                r * 1e-5 + b * 1e-9 for r, b in zip(s["rounds"], s["bytes"], strict=True)))
+        if alg != "oktopk":  # Ok-Topk's extra collectives come every τ, τ' steps
+            pred = cost_model.predict(alg, P, N, DENSITY)
+            for s in steps:
+                per_rank = s["messages"]
+                want = pred["messages"]
+                assert (max(per_rank) if alg == "gtopk" else per_rank) == (
+                    want if alg == "gtopk" else [want] * P), (alg, per_rank, want)
+                if alg not in ("gtopk",):
+                    assert max(s["rounds"]) == pred["rounds"], (alg, s["rounds"], pred)
+
+
+def test_record_needs_an_allreducer():
+    import spardl.trace as tr
+
+    with pytest.raises(TypeError, match="allreducer"), tr.record(object()):
+        pass
+
+
+def test_load_rejects_other_files(tmp_path):
+    import spardl.trace as tr
+
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="spardl-trace"):
+        tr.load_traces(p)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
