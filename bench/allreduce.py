@@ -33,21 +33,35 @@ import spardl  # noqa: E402
 
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--algorithms", default=",".join(sorted(spardl.ALGORITHMS)),
-                    help="comma-separated names from spardl.ALGORITHMS (default: all)")
+    ap.add_argument(
+        "--algorithms",
+        default=",".join(sorted(spardl.ALGORITHMS)),
+        help="comma-separated names from spardl.ALGORITHMS (default: all)",
+    )
     ap.add_argument("--n", type=int, default=25_000_000, help="gradient length")
-    ap.add_argument("--density", type=float, nargs="+", default=[0.01],
-                    help="one or several densities ρ (a sweep)")
+    ap.add_argument(
+        "--density",
+        type=float,
+        nargs="+",
+        default=[0.01],
+        help="one or several densities ρ (a sweep)",
+    )
     ap.add_argument("--teams", type=int, default=1, help="SparDL's d")
     ap.add_argument("--repeat", type=int, default=10, help="timed calls per row")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per row")
     ap.add_argument("--dtype", default="float32", choices=["float16", "float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", action="store_true",
-                    help="also time each phase of spardl (selection vs communication)")
-    ap.add_argument("--check-cost", action="store_true",
-                    help="also run spardl with check=False (no cross-rank consistency check), "
-                         "to show what the check costs")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time each phase of spardl (selection vs communication)",
+    )
+    ap.add_argument(
+        "--check-cost",
+        action="store_true",
+        help="also run spardl with check=False (no cross-rank consistency check), "
+        "to show what the check costs",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     ap.add_argument("--plot", metavar="PATH.png", help="time and bytes vs density per algorithm")
     a = ap.parse_args(argv)
@@ -85,8 +99,16 @@ def measure(comm, make, g, warmup, repeat):
 
 
 def _fmt_table(rows):
-    head = ("algorithm", "density", "time (s)", "x dense", "bytes/rank", "x dense",
-            "msgs/rank", "x dense")
+    head = (
+        "algorithm",
+        "density",
+        "time (s)",
+        "x dense",
+        "bytes/rank",
+        "x dense",
+        "msgs/rank",
+        "x dense",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append(
@@ -109,8 +131,9 @@ def _plot(rows, path):
         dens = [r["density"] for r in rs]
         axes[0].plot(dens, [r["time_s"] for r in rs], marker="o", label=alg)
         axes[1].plot(dens, [r["bytes_sent"] for r in rs], marker="o", label=alg)
-    for ax, what in zip(axes, ("time per call (s, slowest rank)", "bytes sent per rank"),
-                        strict=True):
+    for ax, what in zip(
+        axes, ("time per call (s, slowest rank)", "bytes sent per rank"), strict=True
+    ):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("density ρ")
@@ -141,35 +164,64 @@ def main(argv=None):
             if alg == "spardl":
                 opts["teams"] = a.teams
             results[(alg, density)] = measure(
-                comm, lambda alg=alg, opts=opts: spardl.make(alg, comm, a.n, **opts), g,
-                a.warmup, a.repeat)
+                comm,
+                lambda alg=alg, opts=opts: spardl.make(alg, comm, a.n, **opts),
+                g,
+                a.warmup,
+                a.repeat,
+            )
             if a.check_cost and alg == "spardl":
                 unchecked = {**opts, "check": False}
                 results[("spardl (check=False)", density)] = measure(
-                    comm, lambda o=unchecked: spardl.make("spardl", comm, a.n, **o), g,
-                    a.warmup, a.repeat)
+                    comm,
+                    lambda o=unchecked: spardl.make("spardl", comm, a.n, **o),
+                    g,
+                    a.warmup,
+                    a.repeat,
+                )
             if a.profile and alg == "spardl":
                 profile[density] = _profile_spardl(comm, a, g, opts)
     rows = []
     for (alg, density), (t, b, m) in results.items():
-        rows.append({
-            "algorithm": alg, "density": density, "time_s": t, "bytes_sent": b, "messages": m,
-            "time_ratio": t / dense[0], "bytes_ratio": b / dense[1] if dense[1] else float("nan"),
-            "messages_ratio": m / dense[2] if dense[2] else float("nan"),
-        })
+        rows.append(
+            {
+                "algorithm": alg,
+                "density": density,
+                "time_s": t,
+                "bytes_sent": b,
+                "messages": m,
+                "time_ratio": t / dense[0],
+                "bytes_ratio": b / dense[1] if dense[1] else float("nan"),
+                "messages_ratio": m / dense[2] if dense[2] else float("nan"),
+            }
+        )
     if comm.rank == 0:
         print(f"# {' '.join(sys.argv)}")
-        print(f"# P={P}, n={a.n}, dtype={a.dtype}, teams={a.teams}, repeat={a.repeat}, "
-              f"warmup={a.warmup}, host={platform.node()}")
+        print(
+            f"# P={P}, n={a.n}, dtype={a.dtype}, teams={a.teams}, repeat={a.repeat}, "
+            f"warmup={a.warmup}, host={platform.node()}"
+        )
         print(_fmt_table(rows))
         for density, ph in profile.items():
-            print(f"# spardl profile at density {density:g} (rank 0, median s): "
-                  + ", ".join(f"{k} {v:.4f}" for k, v in ph.items()))
+            print(
+                f"# spardl profile at density {density:g} (rank 0, median s): "
+                + ", ".join(f"{k} {v:.4f}" for k, v in ph.items())
+            )
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"P": P, "n": a.n, "dtype": a.dtype, "teams": a.teams,
-                           "argv": sys.argv, "rows": rows,
-                           "profile": {str(k): v for k, v in profile.items()}}, f, indent=1)
+                json.dump(
+                    {
+                        "P": P,
+                        "n": a.n,
+                        "dtype": a.dtype,
+                        "teams": a.teams,
+                        "argv": sys.argv,
+                        "rows": rows,
+                        "profile": {str(k): v for k, v in profile.items()},
+                    },
+                    f,
+                    indent=1,
+                )
         if a.plot:
             _plot(rows, a.plot)
 
@@ -191,6 +243,7 @@ def _profile_spardl(comm, a, g, opts):
                 return fn(*args, **kw)
             finally:
                 acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
+
         return wrapper
 
     ar.selector.select = timed("select", ar.selector.select)
@@ -210,7 +263,8 @@ def _profile_spardl(comm, a, g, opts):
             acc["call"] = time.perf_counter() - t0
             acc["base (X = g + E, checks)"] = acc["call"] - acc["_reduce"]
             acc["other in _reduce"] = acc["_reduce"] - sum(
-                acc.get(k, 0.0) for k in ("select", "exchange", "scatter_add"))
+                acc.get(k, 0.0) for k in ("select", "exchange", "scatter_add")
+            )
             if i >= a.warmup:
                 samples.append(dict(acc))
     finally:

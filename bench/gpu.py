@@ -128,14 +128,23 @@ def run(args):
     rows, notes = [], []
 
     def row(n, kernel, ms, peer=None, peer_ms=None, goal=None, met=None, **extra):
-        r = {"n": n, "kernel": kernel, "median_ms": ms, "peer": peer, "peer_ms": peer_ms,
-             "ratio": (ms / peer_ms) if (peer_ms and ms is not None) else None,
-             "goal": goal, "met": met}
+        r = {
+            "n": n,
+            "kernel": kernel,
+            "median_ms": ms,
+            "peer": peer,
+            "peer_ms": peer_ms,
+            "ratio": (ms / peer_ms) if (peer_ms and ms is not None) else None,
+            "goal": goal,
+            "met": met,
+        }
         r.update(extra)
         rows.append(r)
-        print(f"  {kernel:<20s} n={n:>11,d}  {ms if ms is not None else float('nan'):9.3f} ms"
-              + (f"  vs {peer} {peer_ms:9.3f} ms  ratio {r['ratio']:.2f}" if peer_ms else ""),
-              flush=True)
+        print(
+            f"  {kernel:<20s} n={n:>11,d}  {ms if ms is not None else float('nan'):9.3f} ms"
+            + (f"  vs {peer} {peer_ms:9.3f} ms  ratio {r['ratio']:.2f}" if peer_ms else ""),
+            flush=True,
+        )
 
     for n in args.sizes:
         _one_size(n, args, timer, row, notes, t_start)
@@ -193,11 +202,17 @@ def _one_size(n, args, timer, row, notes, t_start):
         ms = timer(lambda: gk.topk_abs(xd, k))
         idx, vals = gk.topk_abs(xd, k)
         tv = torch.topk(x.abs(), k, sorted=False).values
-        ok = bool(
-            torch.as_tensor(vals, device=dev).abs().min().item() == tv.min().item()
+        ok = bool(torch.as_tensor(vals, device=dev).abs().min().item() == tv.min().item())
+        row(
+            n,
+            "topk_abs",
+            ms,
+            "torch.topk(|x|)",
+            torch_topk_ms,
+            "ratio <= 1.0",
+            ms <= torch_topk_ms,
+            threshold_matches_torch=ok,
         )
-        row(n, "topk_abs", ms, "torch.topk(|x|)", torch_topk_ms, "ratio <= 1.0",
-            ms <= torch_topk_ms, threshold_matches_torch=ok)
         out["topk"] = (idx, vals)
     thr = float(gk.kth_largest_abs(xd, k))
     if want("kth_largest_abs"):
@@ -208,9 +223,17 @@ def _one_size(n, args, timer, row, notes, t_start):
         ms = timer(lambda: gk.select_above(xd, thr))
         gbs = bytes_x / ms / 1e6
         frac = gbs / copy_gbs
-        row(n, "select_above", ms, "torch.nonzero(|x|>=t)", nz_ms,
-            "read bandwidth >= 50% of copy", frac >= 0.5, bandwidth_GBps=gbs,
-            fraction_of_copy_bandwidth=frac)
+        row(
+            n,
+            "select_above",
+            ms,
+            "torch.nonzero(|x|>=t)",
+            nz_ms,
+            "read bandwidth >= 50% of copy",
+            frac >= 0.5,
+            bandwidth_GBps=gbs,
+            fraction_of_copy_bandwidth=frac,
+        )
     if want("count_above"):
         peer = timer(lambda: (x.abs() >= thr).sum().item())
         ms = timer(lambda: gk.count_above(xd, thr))
@@ -218,8 +241,14 @@ def _one_size(n, args, timer, row, notes, t_start):
     if want("estimate_threshold"):
         ms = timer(lambda: gk.estimate_threshold(xd, k))
         est = gk.estimate_threshold(xd, k)
-        row(n, "estimate_threshold", ms, "torch.topk(|x|)", torch_topk_ms,
-            relative_error=abs(est / thr - 1.0) if thr else None)
+        row(
+            n,
+            "estimate_threshold",
+            ms,
+            "torch.topk(|x|)",
+            torch_topk_ms,
+            relative_error=abs(est / thr - 1.0) if thr else None,
+        )
     # two sparse vectors of k entries each, as two ranks' selections
     ia, va = out.get("topk") or gk.topk_abs(xd, k)
     y = torch.roll(x, 12345)
@@ -277,8 +306,14 @@ def _spardl_step(n, x, args, timer, row, notes):
         notes.append(f"n={n} spardl_step: failed ({type(e).__name__}: {e})")
         print(f"  spardl_step failed: {type(e).__name__}: {e}", flush=True)
         return
-    row(n, "spardl_step", timer(lambda: ar(x)), P=1, device_buffers=on_device,
-        cuda_aware_mpi=cuda_aware())
+    row(
+        n,
+        "spardl_step",
+        timer(lambda: ar(x)),
+        P=1,
+        device_buffers=on_device,
+        cuda_aware_mpi=cuda_aware(),
+    )
 
 
 def _config():
@@ -303,8 +338,10 @@ def print_table(result):
             goal = f"{r['goal']}: {'met' if r['met'] else 'NOT met'}"
             if "fraction_of_copy_bandwidth" in r:
                 goal += f" ({r['fraction_of_copy_bandwidth']:.0%} of copy)"
-        print(f"{r['kernel']:<20s} {r['n']:>12,d} {r['median_ms']:9.3f}  {r['peer'] or '':<24s} "
-              f"{peer_ms} {ratio}  {goal}")
+        print(
+            f"{r['kernel']:<20s} {r['n']:>12,d} {r['median_ms']:9.3f}  {r['peer'] or '':<24s} "
+            f"{peer_ms} {ratio}  {goal}"
+        )
     for note in result["notes"]:
         print("note:", note)
 
@@ -321,4 +358,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -44,8 +44,16 @@ def main(argv=None) -> int:
         for label, extra in CONFIGS:
             tag = label.replace(", ", "-").replace("=", "-")
             out = args.out / f"{tag}-seed{seed}"
-            train_args = [*extra, "--density", str(args.density), "--seed", str(seed),
-                          "--out", str(out), "--no-progress"]
+            train_args = [
+                *extra,
+                "--density",
+                str(args.density),
+                "--seed",
+                str(seed),
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
             if args.epochs is not None:
                 train_args += ["--epochs", str(args.epochs)]
             job_s = launch_train(args.world_size, train_args, args.timeout)
@@ -76,10 +84,17 @@ def main(argv=None) -> int:
     print()
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(
-        {"command": " ".join(["bench/training.py", *(argv or sys.argv[1:])]),
-         "table": table,
-         "runs": [{"label": lab, "seed": s, **m} for lab, s, m in rows]}, indent=1) + "\n")
+    (args.out / "summary.json").write_text(
+        json.dumps(
+            {
+                "command": " ".join(["bench/training.py", *(argv or sys.argv[1:])]),
+                "table": table,
+                "runs": [{"label": lab, "seed": s, **m} for lab, s, m in rows],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return 0
 
 

@@ -56,11 +56,12 @@ def _spawn(P: int, args: list[str], timeout: float) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_"))}
     env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [_mpiexec(), "-n", str(P), sys.executable, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, capture_output=True,
-                          text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
+            f"{proc.stderr[-3000:]}"
+        )
 
 
 # -- workers (under mpiexec) -----------------------------------------------------------------
@@ -73,8 +74,9 @@ def _worker_pingpong(out: str) -> None:
     alpha, beta = pingpong.fit_alpha_beta([s for s, _ in rows], [t for _, t in rows])
     gamma = pingpong.fit_gamma()
     if MPI.COMM_WORLD.rank == 0:
-        Path(out).write_text(json.dumps({"alpha": alpha, "beta": beta, "gamma": gamma,
-                                         "rows": rows}))
+        Path(out).write_text(
+            json.dumps({"alpha": alpha, "beta": beta, "gamma": gamma, "rows": rows})
+        )
 
 
 def _worker_measure(a) -> None:
@@ -119,9 +121,13 @@ def _worker_measure(a) -> None:
             local.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
         del solo
         if comm.rank == 0:
-            rows[alg] = {"times": times, "traces": traces, "messages": counts,
-                         "local_times": local,
-                         "control_per_step": control / (a.warmup + a.repeat)}
+            rows[alg] = {
+                "times": times,
+                "traces": traces,
+                "messages": counts,
+                "local_times": local,
+                "control_per_step": control / (a.warmup + a.repeat),
+            }
     if comm.rank == 0:
         Path(a.out).write_text(json.dumps({"P": comm.size, "rows": rows}))
 
@@ -149,18 +155,29 @@ def predict_rows(fit, measured, cores):
             comm_s = cost_model.replay(r["traces"], fit["alpha"], fit["beta"], fit["gamma"])
             # The base class's cross-rank check: one small allreduce per call (not a data
             # message, so not in the trace), at its algorithmic latency.
-            comm_s += r["control_per_step"] * cost_model.collective_rounds("allreduce", P) \
-                * fit["alpha"]
+            comm_s += (
+                r["control_per_step"] * cost_model.collective_rounds("allreduce", P) * fit["alpha"]
+            )
             s = max(1.0, P / cores)
             local = float(_median(r["local_times"]))
             pred = local + s * comm_s
             meas = float(_median(r["times"]))
-            out.append({"algorithm": alg, "P": P, "measured_s": meas, "predicted_s": pred,
-                        "local_s": local, "comm_s": comm_s, "oversubscription": s,
-                        "rel_error": (pred - meas) / meas,
-                        "trace_messages": sum(len(tr) for tr in r["traces"]) / P
-                        / max(1, len({rec[0] for rec in r["traces"][0]})),
-                        "stats_messages": sum(r["messages"]) / P / len(r["times"])})
+            out.append(
+                {
+                    "algorithm": alg,
+                    "P": P,
+                    "measured_s": meas,
+                    "predicted_s": pred,
+                    "local_s": local,
+                    "comm_s": comm_s,
+                    "oversubscription": s,
+                    "rel_error": (pred - meas) / meas,
+                    "trace_messages": sum(len(tr) for tr in r["traces"])
+                    / P
+                    / max(1, len({rec[0] for rec in r["traces"][0]})),
+                    "stats_messages": sum(r["messages"]) / P / len(r["times"]),
+                }
+            )
     return out
 
 
@@ -170,13 +187,18 @@ def _median(v):
 
 
 def _table(rows):
-    lines = ["| algorithm | P | measured (ms) | predicted (ms) | local (ms) | comm (ms) | s(P) "
-             "| error |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| algorithm | P | measured (ms) | predicted (ms) | local (ms) | comm (ms) | s(P) "
+        "| error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(rows, key=lambda r: (r["algorithm"], r["P"])):
-        lines.append(f"| {r['algorithm']} | {r['P']} | {r['measured_s'] * 1e3:.1f} | "
-                     f"{r['predicted_s'] * 1e3:.1f} | {r['local_s'] * 1e3:.1f} | "
-                     f"{r['comm_s'] * 1e3:.2f} | {r['oversubscription']:.1f} | "
-                     f"{r['rel_error']:+.0%} |")
+        lines.append(
+            f"| {r['algorithm']} | {r['P']} | {r['measured_s'] * 1e3:.1f} | "
+            f"{r['predicted_s'] * 1e3:.1f} | {r['local_s'] * 1e3:.1f} | "
+            f"{r['comm_s'] * 1e3:.2f} | {r['oversubscription']:.1f} | "
+            f"{r['rel_error']:+.0%} |"
+        )
     return "\n".join(lines)
 
 
@@ -207,8 +229,18 @@ def main(argv=None):
         _spawn(2, [me, "--worker", "pingpong", "--worker-out", f"{tmp}/fit.json"], a.timeout)
         fit = json.loads(Path(f"{tmp}/fit.json").read_text())
         measured = {}
-        common = ["--n", str(a.n), "--density", str(a.density), "--repeat", str(a.repeat),
-                  "--warmup", str(a.warmup), "--algorithms", ",".join(a.algorithms)]
+        common = [
+            "--n",
+            str(a.n),
+            "--density",
+            str(a.density),
+            "--repeat",
+            str(a.repeat),
+            "--warmup",
+            str(a.warmup),
+            "--algorithms",
+            ",".join(a.algorithms),
+        ]
         for P in Ps:
             out = f"{tmp}/P{P}.json"
             _spawn(P, [me, "--worker", "measure", "--worker-out", out, *common], a.timeout)
@@ -216,15 +248,21 @@ def main(argv=None):
             print(f"# measured P={P}", file=sys.stderr, flush=True)
     rows = predict_rows(fit, measured, cores)
     print(f"# {' '.join(['python', *sys.argv])}")
-    print(f"# host {platform.node()}, {cores} cores, {platform.processor() or platform.machine()}"
-          f"; n={a.n}, density={a.density}, repeat={a.repeat}, warmup={a.warmup}")
-    print(f"# fit: alpha={fit['alpha']:.3e} s, beta={fit['beta']:.3e} s/B, "
-          f"gamma={fit['gamma']:.3e} s/B; s(P) = max(1, P/{cores})")
+    print(
+        f"# host {platform.node()}, {cores} cores, {platform.processor() or platform.machine()}"
+        f"; n={a.n}, density={a.density}, repeat={a.repeat}, warmup={a.warmup}"
+    )
+    print(
+        f"# fit: alpha={fit['alpha']:.3e} s, beta={fit['beta']:.3e} s/B, "
+        f"gamma={fit['gamma']:.3e} s/B; s(P) = max(1, P/{cores})"
+    )
     print(_table(rows))
     sparse = [r for r in rows if r["algorithm"] in SPARSE]
     within = sum(abs(r["rel_error"]) <= 0.30 for r in sparse)
-    print(f"# sparse algorithms within ±30%: {within}/{len(sparse)}; "
-          f"median |error| {_median([abs(r['rel_error']) for r in sparse]):.0%}")
+    print(
+        f"# sparse algorithms within ±30%: {within}/{len(sparse)}; "
+        f"median |error| {_median([abs(r['rel_error']) for r in sparse]):.0%}"
+    )
     try:
         load = os.getloadavg()[0]
         print(f"# load average (1 min) at the end: {load:.1f}")
@@ -232,9 +270,20 @@ def main(argv=None):
         pass
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"fit": fit, "rows": rows, "cores": cores,
-                                           "host": platform.node(), "argv": sys.argv,
-                                           "n": a.n, "density": a.density}, indent=1))
+        Path(a.out).write_text(
+            json.dumps(
+                {
+                    "fit": fit,
+                    "rows": rows,
+                    "cores": cores,
+                    "host": platform.node(),
+                    "argv": sys.argv,
+                    "n": a.n,
+                    "density": a.density,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -10,9 +10,19 @@ import importlib
 import inspect
 
 MODULES = [
-    "spardl_kernels", "spardl", "spardl.comm", "spardl.algorithms.base", "spardl.result",
-    "spardl.selection", "spardl.schedules", "spardl.cost_model", "spardl.trace",
-    "spardl.pingpong", "spardl.model_cli", "spardl.torch", "spardl.cli",
+    "spardl_kernels",
+    "spardl",
+    "spardl.comm",
+    "spardl.algorithms.base",
+    "spardl.result",
+    "spardl.selection",
+    "spardl.schedules",
+    "spardl.cost_model",
+    "spardl.trace",
+    "spardl.pingpong",
+    "spardl.model_cli",
+    "spardl.torch",
+    "spardl.cli",
 ]
 
 
@@ -30,9 +40,11 @@ def _sig(obj) -> str:
 
 def main() -> None:
     print("# API reference\n")
-    print("Generated from the docstrings by `python docs/make_api.py > docs/api.md`; every public "
-          "name (`__all__`) with its signature and one-line summary. The docstrings hold the "
-          "shapes, dtypes, errors and sources.\n")
+    print(
+        "Generated from the docstrings by `python docs/make_api.py > docs/api.md`; every public "
+        "name (`__all__`) with its signature and one-line summary. The docstrings hold the "
+        "shapes, dtypes, errors and sources.\n"
+    )
     for modname in MODULES:
         try:
             mod = importlib.import_module(modname)

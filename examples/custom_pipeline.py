@@ -87,9 +87,20 @@ def main(argv=None) -> None:
         E[sent] = 0.0  # sent entries reach the sum exactly once; the rest waits for later
         counts = comm.gather(len(sent), root=0)
         if comm.rank == 0:
-            print(json.dumps({"step": step, "P": comm.size, "n": a.n, "k": k,
-                              "counts": counts, "indices": out_i.tolist(),
-                              "values": out_v.tolist()}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "step": step,
+                        "P": comm.size,
+                        "n": a.n,
+                        "k": k,
+                        "counts": counts,
+                        "indices": out_i.tolist(),
+                        "values": out_v.tolist(),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

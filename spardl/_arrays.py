@@ -18,9 +18,29 @@ import numpy as np
 from spardl_kernels._dispatch import is_device_array
 
 __all__ = [
-    "is_device", "device_ops", "view", "to_host", "to_device", "like", "empty", "zeros", "copy",
-    "cast", "add_into", "set_at", "zero_at", "zero_members", "sub_members", "shift", "take",
-    "absolute", "divide", "all_finite", "arange", "concat", "aligned",
+    "is_device",
+    "device_ops",
+    "view",
+    "to_host",
+    "to_device",
+    "like",
+    "empty",
+    "zeros",
+    "copy",
+    "cast",
+    "add_into",
+    "set_at",
+    "zero_at",
+    "zero_members",
+    "sub_members",
+    "shift",
+    "take",
+    "absolute",
+    "divide",
+    "all_finite",
+    "arange",
+    "concat",
+    "aligned",
 ]
 
 

@@ -42,8 +42,9 @@ def run_collective(fn, *args) -> int:
         if isinstance(e, SystemExit) and e.code in (0, None):
             return 0
         sys.stdout.flush()
-        print(f"[rank {world.Get_rank()}] spardl: unhandled error, aborting the job",
-              file=sys.stderr)
+        print(
+            f"[rank {world.Get_rank()}] spardl: unhandled error, aborting the job", file=sys.stderr
+        )
         traceback.print_exc()
         sys.stderr.flush()
         if world.Get_size() > 1:
@@ -62,8 +63,8 @@ def add_train(sub) -> None:
         "train",
         help="data-parallel training on real data (run under mpiexec -n P)",
         description="Data-parallel training of a small CNN on scikit-learn's digits (8x8 "
-                    "images), each MPI rank on its shard, gradients averaged by a spardl "
-                    "allreducer. Run as: mpiexec -n 4 python -m spardl train --out runs/x",
+        "images), each MPI rank on its shard, gradients averaged by a spardl "
+        "allreducer. Run as: mpiexec -n 4 python -m spardl train --out runs/x",
     )
     train.add_arguments(p)
     p.set_defaults(func=_cmd_train)
@@ -101,8 +102,16 @@ def launch_train(world_size: int, train_args: list[str], timeout: float) -> floa
     RuntimeError
         If the job exits non-zero or runs past ``timeout`` seconds.
     """
-    cmd = [mpiexec_path(), "-n", str(world_size), sys.executable, "-m", "spardl", "train",
-           *train_args]
+    cmd = [
+        mpiexec_path(),
+        "-n",
+        str(world_size),
+        sys.executable,
+        "-m",
+        "spardl",
+        "train",
+        *train_args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     print("$ " + " ".join(cmd[0:1] + cmd[1:3] + ["python"] + cmd[4:]), flush=True)
     t0 = time.perf_counter()
@@ -121,8 +130,8 @@ def add_demo(sub) -> None:
         "demo",
         help="train with SparDL at 1%% density and with the dense baseline, compare",
         description="Spawns mpiexec -n P python -m spardl train twice (SparDL at the given "
-                    "density, then the dense allreduce), same seed and epochs, and prints "
-                    "accuracy, bytes per rank and wall time side by side.",
+        "density, then the dense allreduce), same seed and epochs, and prints "
+        "accuracy, bytes per rank and wall time side by side.",
     )
     p.add_argument("--world-size", "-n", type=int, default=4, help="P (default: %(default)s)")
     p.add_argument("--density", type=float, default=0.01, help="default: %(default)s")
@@ -142,33 +151,42 @@ def _cmd_demo(args) -> int:
     common = ["--seed", str(args.seed)]
     if args.epochs is not None:
         common += ["--epochs", str(args.epochs)]
-    runs = [("spardl", ["--algorithm", "spardl", "--density", str(args.density)]),
-            ("dense", ["--algorithm", "dense"])]
+    runs = [
+        ("spardl", ["--algorithm", "spardl", "--density", str(args.density)]),
+        ("dense", ["--algorithm", "dense"]),
+    ]
     rows = []
     for name, extra in runs:
         out = args.out / f"{name}-P{args.world_size}"
         try:
-            wall = launch_train(args.world_size, [*extra, *common, "--out", str(out)],
-                                args.timeout)
+            wall = launch_train(args.world_size, [*extra, *common, "--out", str(out)], args.timeout)
         except (RuntimeError, FileNotFoundError) as e:
             print(f"spardl demo: {name}: {e}", file=sys.stderr)
             return 1
         m = json.loads((out / "metrics.json").read_text())
         rows.append((name, m, wall, out))
     print()
-    print(f"P = {args.world_size}, seed {args.seed}, {rows[0][1]['epochs']} epochs, "
-          f"{rows[0][1]['n_params']} parameters")
-    head = f"{'algorithm':<10} {'density':>8} {'test acc':>9} {'MB sent/rank':>13} " \
-           f"{'train s':>8} {'job s':>7}"
+    print(
+        f"P = {args.world_size}, seed {args.seed}, {rows[0][1]['epochs']} epochs, "
+        f"{rows[0][1]['n_params']} parameters"
+    )
+    head = (
+        f"{'algorithm':<10} {'density':>8} {'test acc':>9} {'MB sent/rank':>13} "
+        f"{'train s':>8} {'job s':>7}"
+    )
     print(head)
     print("-" * len(head))
     for name, m, wall, _ in rows:
         dens = f"{m['density']:.3g}" if name != "dense" else "1"
-        print(f"{name:<10} {dens:>8} {m['final_test_accuracy']:>9.2%} "
-              f"{m['bytes_sent_per_rank'] / 1e6:>13.3f} {m['wall_seconds']:>8.1f} {wall:>7.1f}")
+        print(
+            f"{name:<10} {dens:>8} {m['final_test_accuracy']:>9.2%} "
+            f"{m['bytes_sent_per_rank'] / 1e6:>13.3f} {m['wall_seconds']:>8.1f} {wall:>7.1f}"
+        )
     ratio = rows[0][1]["bytes_sent_per_rank"] / max(rows[1][1]["bytes_sent_per_rank"], 1)
-    print(f"\nSparDL sends {ratio:.2%} of the dense allreduce's bytes per rank "
-          f"({1 / max(ratio, 1e-12):.1f}x less).")
+    print(
+        f"\nSparDL sends {ratio:.2%} of the dense allreduce's bytes per rank "
+        f"({1 / max(ratio, 1e-12):.1f}x less)."
+    )
     print("Metrics and plots: " + ", ".join(str(r[3]) for r in rows))
     return 0
 
@@ -212,8 +230,10 @@ def info_lines() -> list[tuple[str, str]]:
         rows += [
             ("mpi4py", mpi4py.__version__),
             ("MPI library", lib),
-            ("MPI vendor", "{} {}".format(MPI.get_vendor()[0],
-                                          ".".join(map(str, MPI.get_vendor()[1])))),
+            (
+                "MPI vendor",
+                "{} {}".format(MPI.get_vendor()[0], ".".join(map(str, MPI.get_vendor()[1]))),
+            ),
             ("MPI standard", "{}.{}".format(*MPI.Get_version())),
         ]
     except ImportError as e:
@@ -228,8 +248,14 @@ def info_lines() -> list[tuple[str, str]]:
     except ImportError:
         rows.append(("torch", "not installed"))
     rows.append(("GPUs (numba)", _numba_gpus()))
-    rows.append(("CPU threads", f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})"
-                 if hasattr(os, "sched_getaffinity") else str(os.cpu_count())))
+    rows.append(
+        (
+            "CPU threads",
+            f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})"
+            if hasattr(os, "sched_getaffinity")
+            else str(os.cpu_count()),
+        )
+    )
     from .comm import cuda_aware, cuda_aware_reason
 
     rows.append(("CUDA-aware MPI", f"{'yes' if cuda_aware() else 'no'} ({cuda_aware_reason()})"))

@@ -40,8 +40,15 @@ from mpi4py import MPI
 
 from . import _arrays as A
 
-__all__ = ["Comm", "cuda_aware", "cuda_aware_reason", "new_stats", "pack_blocks",
-           "unpack_blocks", "wire_index_dtype"]
+__all__ = [
+    "Comm",
+    "cuda_aware",
+    "cuda_aware_reason",
+    "new_stats",
+    "pack_blocks",
+    "unpack_blocks",
+    "wire_index_dtype",
+]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -447,8 +454,9 @@ class Comm:
             self._owns = False
 
     # -- point to point ---------------------------------------------------------------------
-    def sendrecv_bytes(self, sendbuf: np.ndarray, dest: int, source: int, capacity: int,
-                       tag: int = 0) -> np.ndarray:
+    def sendrecv_bytes(
+        self, sendbuf: np.ndarray, dest: int, source: int, capacity: int, tag: int = 0
+    ) -> np.ndarray:
         """Send ``sendbuf`` to ``dest`` and receive at most ``capacity`` bytes from ``source``.
 
         The received size is read from the MPI status, so variable-size messages need no count
@@ -465,7 +473,12 @@ class Comm:
             recv = np.empty(max(int(capacity), 1), dtype=np.uint8)
         status = MPI.Status()
         self.mpi.Sendrecv(
-            [send, MPI.BYTE], dest, tag, [_mpi_buffer(recv), MPI.BYTE], source, tag,
+            [send, MPI.BYTE],
+            dest,
+            tag,
+            [_mpi_buffer(recv), MPI.BYTE],
+            source,
+            tag,
             status=status,
         )
         nrecv = status.Get_count(MPI.BYTE)
@@ -483,8 +496,9 @@ class Comm:
             self.mpi.Send([buf, MPI.BYTE], dest, tag)
         self._acct.sent(buf.nbytes, dest, "p2p")
 
-    def recv_bytes(self, source: int, capacity: int, tag: int = 0, *,
-                   device: bool = False) -> np.ndarray:
+    def recv_bytes(
+        self, source: int, capacity: int, tag: int = 0, *, device: bool = False
+    ) -> np.ndarray:
         """Receive at most ``capacity`` bytes from ``source``; the size is read from the status.
         With ``device``, the bytes are returned as a device array."""
         if device:
@@ -497,8 +511,18 @@ class Comm:
         self._acct.received(nrecv)
         return self._device_result(recv[:nrecv]) if device else recv[:nrecv]
 
-    def exchange_blocks(self, dest, send_blocks, send_starts, source, recv_starts, max_pairs,
-                        index_dtype, value_dtype, tag: int = 0):
+    def exchange_blocks(
+        self,
+        dest,
+        send_blocks,
+        send_starts,
+        source,
+        recv_starts,
+        max_pairs,
+        index_dtype,
+        value_dtype,
+        tag: int = 0,
+    ):
         """One packed sparse message each way: send blocks to ``dest``, receive from ``source``.
 
         Parameters
@@ -603,8 +627,11 @@ class Comm:
                 _sync()
                 self.mpi.Bcast(_mpi_buffer(x), root=root)
             else:
-                h = self._send_wire(x) if self.rank == root else self._recv_wire(
-                    x.shape[0], x.dtype, "send")
+                h = (
+                    self._send_wire(x)
+                    if self.rank == root
+                    else self._recv_wire(x.shape[0], x.dtype, "send")
+                )
                 self.mpi.Bcast(h, root=root)
                 if self.rank != root:
                     x.copy_to_device(h)

@@ -85,8 +85,7 @@ class Cost:
     rounds: float
     path_words: float
 
-    def seconds(self, alpha: float, beta: float, word_bytes: int = 4,
-                gamma: float = 0.0) -> float:
+    def seconds(self, alpha: float, beta: float, word_bytes: int = 4, gamma: float = 0.0) -> float:
         """rounds·α + path_words·word_bytes·(β + γ), in seconds.
 
         α: s/message, β: s/byte sent, γ: s/byte merged (each byte that arrives is merged once).
@@ -95,9 +94,12 @@ class Cost:
 
 
 def _cost(messages, words, rounds=None, path_words=None) -> Cost:
-    return Cost(float(messages), float(words),
-                float(messages if rounds is None else rounds),
-                float(words if path_words is None else path_words))
+    return Cost(
+        float(messages),
+        float(words),
+        float(messages if rounds is None else rounds),
+        float(words if path_words is None else path_words),
+    )
 
 
 _ZERO = Cost(0.0, 0.0, 0.0, 0.0)
@@ -148,8 +150,9 @@ def collective_rounds(kind: str, P: int) -> int:
         return ceil_log2(P)
     if kind == "allreduce":
         return 2 * ceil_log2(P)
-    raise ValueError(f"kind must be one of p2p, allgather, allgatherv, bcast, allreduce; "
-                     f"got {kind!r}")
+    raise ValueError(
+        f"kind must be one of p2p, allgather, allgatherv, bcast, allreduce; got {kind!r}"
+    )
 
 
 def budget(density: float, n: int) -> int:
@@ -229,8 +232,11 @@ def topkdsa(P: int, n: int, k: int) -> Cost:
     if P == 1:
         return _ZERO
     region = -(-n // P)
-    return _cost(P + 1, 2 * k * (P - 1) / P + (P - 1) * min(2 * k, region),
-                 rounds=P - 1 + 2 * collective_rounds("allgatherv", P))
+    return _cost(
+        P + 1,
+        2 * k * (P - 1) / P + (P - 1) * min(2 * k, region),
+        rounds=P - 1 + 2 * collective_rounds("allgatherv", P),
+    )
 
 
 def gtopk(P: int, n: int, k: int) -> Cost:
@@ -249,12 +255,17 @@ def gtopk(P: int, n: int, k: int) -> Cost:
     if P == 1:
         return _ZERO
     R = ceil_log2(P)
-    return _cost(2, 2 * k + 2 * k * (P - 1) / P, rounds=R + collective_rounds("bcast", P),
-                 path_words=2 * k * R + 2 * k * (P - 1) / P)
+    return _cost(
+        2,
+        2 * k + 2 * k * (P - 1) / P,
+        rounds=R + collective_rounds("bcast", P),
+        path_words=2 * k * R + 2 * k * (P - 1) / P,
+    )
 
 
-def spardl(P: int, n: int, k: int, d: int = 1, density: float | None = None,
-           sag_budget: str = "start") -> Cost:
+def spardl(
+    P: int, n: int, k: int, d: int = 1, density: float | None = None, sag_budget: str = "start"
+) -> Cost:
     """SparDL with d teams of m = P/d ranks.
 
     k_b = min(C, max(1, ⌊ρ·C⌋)) with C = ⌈n/m⌉ is the per-block budget (ρ = k/n when
@@ -301,8 +312,14 @@ def spardl(P: int, n: int, k: int, d: int = 1, density: float | None = None,
     return _cost(msgs, words)
 
 
-def oktopk(P: int, n: int, k: int, threshold_interval: int = 32, region_interval: int = 64,
-           step: int | None = None) -> Cost:
+def oktopk(
+    P: int,
+    n: int,
+    k: int,
+    threshold_interval: int = 32,
+    region_interval: int = 64,
+    step: int | None = None,
+) -> Cost:
     """Ok-Topk (``spardl.algorithms.oktopk``).
 
     Every step: split and reduce (P−1 messages), a count all-gather and P−1 balancing messages,
@@ -332,8 +349,12 @@ def oktopk(P: int, n: int, k: int, threshold_interval: int = 32, region_interval
     msgs = 2 * P + regions + thresholds
     R = ceil_log2(P)
     rounds = 2 * (P - 1) + 2 * R + regions * 2 * R + thresholds * R
-    words = (6 * k * (P - 1) / P + (P - 1) + regions * 2 * (P + 1) * (P - 1) / P
-             + thresholds * k * (P - 1))
+    words = (
+        6 * k * (P - 1) / P
+        + (P - 1)
+        + regions * 2 * (P + 1) * (P - 1) / P
+        + thresholds * k * (P - 1)
+    )
     return _cost(msgs, words, rounds=rounds)
 
 
@@ -362,10 +383,18 @@ NETWORKS = {
 }
 
 
-def predict(algorithm: str, P: int, n: int, density: float, teams: int = 1,
-            alpha: float = NETWORKS["infiniband-100g"]["alpha"],
-            beta: float = NETWORKS["infiniband-100g"]["beta"],
-            word_bytes: int = 4, gamma: float = 0.0, **options) -> dict:
+def predict(
+    algorithm: str,
+    P: int,
+    n: int,
+    density: float,
+    teams: int = 1,
+    alpha: float = NETWORKS["infiniband-100g"]["alpha"],
+    beta: float = NETWORKS["infiniband-100g"]["beta"],
+    word_bytes: int = 4,
+    gamma: float = 0.0,
+    **options,
+) -> dict:
     """The α-β(-γ) cost of one step of ``algorithm`` on P ranks, from its closed form.
 
     Parameters
@@ -434,14 +463,20 @@ _KINDS = ("p2p", "allgather", "allgatherv", "bcast", "allreduce")
 def _record(rec):
     """(step, phase, kind, peer, bytes) from a tuple, list or dict trace record."""
     if isinstance(rec, dict):
-        return (int(rec["step"]), str(rec["phase"]), rec["kind"], int(rec["peer"]),
-                int(rec["bytes"]))
+        return (
+            int(rec["step"]),
+            str(rec["phase"]),
+            rec["kind"],
+            int(rec["peer"]),
+            int(rec["bytes"]),
+        )
     step, phase, kind, peer, nbytes = rec
     return int(step), str(phase), kind, int(peer), int(nbytes)
 
 
-def replay_steps(traces, alpha: float, beta: float, gamma: float = 0.0,
-                 P: int | None = None) -> list[dict]:
+def replay_steps(
+    traces, alpha: float, beta: float, gamma: float = 0.0, P: int | None = None
+) -> list[dict]:
     """Price every step of recorded per-rank traces under the α-β(-γ) model.
 
     A rank's time in a step is the sum over the messages it sent of
@@ -505,15 +540,17 @@ def replay_steps(traces, alpha: float, beta: float, gamma: float = 0.0,
         rows = per[step]
         secs = [rows[r][0] if r in rows else 0.0 for r in range(ranks)]
         slow = max(range(ranks), key=lambda r: secs[r])
-        out.append({
-            "step": step,
-            "seconds": secs[slow],
-            "rank": slow,
-            "messages": [rows[r][1] if r in rows else 0 for r in range(ranks)],
-            "bytes": [rows[r][2] if r in rows else 0 for r in range(ranks)],
-            "rounds": [rows[r][3] if r in rows else 0 for r in range(ranks)],
-            "phases": dict(rows[slow][4]) if slow in rows else {},
-        })
+        out.append(
+            {
+                "step": step,
+                "seconds": secs[slow],
+                "rank": slow,
+                "messages": [rows[r][1] if r in rows else 0 for r in range(ranks)],
+                "bytes": [rows[r][2] if r in rows else 0 for r in range(ranks)],
+                "rounds": [rows[r][3] if r in rows else 0 for r in range(ranks)],
+                "phases": dict(rows[slow][4]) if slow in rows else {},
+            }
+        )
     return out
 
 

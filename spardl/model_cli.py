@@ -17,8 +17,15 @@ from __future__ import annotations
 import json
 import sys
 
-__all__ = ["MODELS", "add_model", "add_bench", "parse_P", "teams_candidates", "project",
-           "model_main"]
+__all__ = [
+    "MODELS",
+    "add_model",
+    "add_bench",
+    "parse_P",
+    "teams_candidates",
+    "project",
+    "model_main",
+]
 
 #: Parameter counts of common models (the n of one flat gradient).
 MODELS = {
@@ -64,8 +71,9 @@ def parse_P(text: str) -> list[int]:
                     raise ValueError
                 out.add(v)
         except ValueError:
-            raise ValueError(f"--P must be integers >= 1, a comma list or a range like 2-4096; "
-                             f"got {text!r}") from None
+            raise ValueError(
+                f"--P must be integers >= 1, a comma list or a range like 2-4096; got {text!r}"
+            ) from None
     if not out:
         raise ValueError(f"--P is empty: {text!r}")
     return sorted(out)
@@ -78,8 +86,17 @@ def teams_candidates(P: int) -> list[int]:
     return [d for d in (1 << i for i in range(P.bit_length())) if P % d == 0]
 
 
-def project(n: int, density: float, Ps, alpha: float, beta: float, gamma: float = 0.0,
-            algorithms=None, network: str = "custom", sag_budget: str = "max") -> list[dict]:
+def project(
+    n: int,
+    density: float,
+    Ps,
+    alpha: float,
+    beta: float,
+    gamma: float = 0.0,
+    algorithms=None,
+    network: str = "custom",
+    sag_budget: str = "max",
+) -> list[dict]:
     """Predicted seconds per step for every algorithm and P (closed forms).
 
     Parameters
@@ -123,15 +140,30 @@ def project(n: int, density: float, Ps, alpha: float, beta: float, gamma: float 
             extra = {"sag_budget": sag_budget} if alg == "spardl" else {}
             best = None
             for d in cands:
-                p = cm.predict(alg, P, n, density, teams=d, alpha=alpha, beta=beta,
-                               gamma=gamma, **extra)
+                p = cm.predict(
+                    alg, P, n, density, teams=d, alpha=alpha, beta=beta, gamma=gamma, **extra
+                )
                 if best is None or p["seconds"] < best[1]["seconds"]:
                     best = (d, p)
             d, p = best
-            here.append({"algorithm": alg, "P": P, "n": n, "density": density,
-                         "network": network, "alpha": alpha, "beta": beta, "gamma": gamma,
-                         "teams": d, "seconds": p["seconds"], "messages": p["messages"],
-                         "rounds": p["rounds"], "bytes": p["bytes"], "best": False})
+            here.append(
+                {
+                    "algorithm": alg,
+                    "P": P,
+                    "n": n,
+                    "density": density,
+                    "network": network,
+                    "alpha": alpha,
+                    "beta": beta,
+                    "gamma": gamma,
+                    "teams": d,
+                    "seconds": p["seconds"],
+                    "messages": p["messages"],
+                    "rounds": p["rounds"],
+                    "bytes": p["bytes"],
+                    "best": False,
+                }
+            )
         min(here, key=lambda r: r["seconds"])["best"] = True
         rows += here
     return rows
@@ -157,8 +189,9 @@ def _table(rows) -> str:
         cells = [str(P)]
         for a in algs:
             r = by[(a, P)]
-            cells.append(("**" + _fmt_time(r["seconds"]) + "**") if r["best"]
-                         else _fmt_time(r["seconds"]))
+            cells.append(
+                ("**" + _fmt_time(r["seconds"]) + "**") if r["best"] else _fmt_time(r["seconds"])
+            )
         cells.append(str(by[("spardl", P)]["teams"]) if ("spardl", P) in by else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -174,11 +207,17 @@ def _plot(rows, path, title):
     for alg in dict.fromkeys(r["algorithm"] for r in rows):
         rs = sorted((r for r in rows if r["algorithm"] == alg), key=lambda r: r["P"])
         label = alg + (" (best d)" if alg == "spardl" else "")
-        ax.plot([r["P"] for r in rs], [r["seconds"] for r in rs], marker="o", ms=3,
-                label=label)
+        ax.plot([r["P"] for r in rs], [r["seconds"] for r in rs], marker="o", ms=3, label=label)
     best = [r for r in rows if r["best"]]
-    ax.scatter([r["P"] for r in best], [r["seconds"] for r in best], s=80, facecolors="none",
-               edgecolors="k", label="cheapest at P", zorder=5)
+    ax.scatter(
+        [r["P"] for r in best],
+        [r["seconds"] for r in best],
+        s=80,
+        facecolors="none",
+        edgecolors="k",
+        label="cheapest at P",
+        zorder=5,
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("P (ranks)")
@@ -199,27 +238,44 @@ def add_model(sub) -> None:
         "model",
         help="predicted communication time per step vs P (alpha-beta model, no MPI)",
         description="Closed-form alpha-beta(-gamma) projections of every algorithm's "
-                    "communication time per step against P, with the cheapest algorithm per "
-                    "P and SparDL's best number of teams d.",
+        "communication time per step against P, with the cheapest algorithm per "
+        "P and SparDL's best number of teams d.",
     )
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", choices=sorted(MODELS), default="resnet50",
-                   help="n from a model's parameter count (default: %(default)s)")
+    g.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="resnet50",
+        help="n from a model's parameter count (default: %(default)s)",
+    )
     g.add_argument("--n", type=int, help="gradient length (instead of --model)")
     p.add_argument("--density", type=float, default=0.01, help="rho (default: %(default)s)")
-    p.add_argument("--network", choices=sorted(NETWORKS), default="ethernet-10g",
-                   help="alpha/beta preset (default: %(default)s)")
+    p.add_argument(
+        "--network",
+        choices=sorted(NETWORKS),
+        default="ethernet-10g",
+        help="alpha/beta preset (default: %(default)s)",
+    )
     p.add_argument("--alpha", type=float, help="seconds per message (overrides the preset)")
     p.add_argument("--beta", type=float, help="seconds per byte (overrides the preset)")
-    p.add_argument("--gamma", type=float, default=0.0,
-                   help="seconds per byte merged (default: %(default)s)")
-    p.add_argument("--P", default="2-4096",
-                   help="one value, a comma list or a range (powers of two) (default: 2-4096)")
-    p.add_argument("--algorithms", default=",".join(sorted(FORMULAS)),
-                   help="comma-separated (default: all)")
-    p.add_argument("--sag-budget", choices=["max", "start"], default="max",
-                   help="SparDL's pre-SAG budget h for d > 1: 'max' = k_b (the upper bound, "
-                        "default), 'start' = its first value (disjoint selections)")
+    p.add_argument(
+        "--gamma", type=float, default=0.0, help="seconds per byte merged (default: %(default)s)"
+    )
+    p.add_argument(
+        "--P",
+        default="2-4096",
+        help="one value, a comma list or a range (powers of two) (default: 2-4096)",
+    )
+    p.add_argument(
+        "--algorithms", default=",".join(sorted(FORMULAS)), help="comma-separated (default: all)"
+    )
+    p.add_argument(
+        "--sag-budget",
+        choices=["max", "start"],
+        default="max",
+        help="SparDL's pre-SAG budget h for d > 1: 'max' = k_b (the upper bound, "
+        "default), 'start' = its first value (disjoint selections)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG of time vs P")
     p.set_defaults(func=model_main)
@@ -244,16 +300,22 @@ def model_main(args) -> int:
             v = getattr(args, key)
             if v is not None:
                 net[key] = v
-                label = f"{args.network} ({key} overridden)" if label == args.network \
+                label = (
+                    f"{args.network} ({key} overridden)"
+                    if label == args.network
                     else f"{args.network} (alpha, beta overridden)"
-        rows = project(n, args.density, Ps, net["alpha"], net["beta"], args.gamma, algs,
-                       label, args.sag_budget)
+                )
+        rows = project(
+            n, args.density, Ps, net["alpha"], net["beta"], args.gamma, algs, label, args.sag_budget
+        )
     except (ValueError, TypeError) as e:
         print(f"spardl model: {e}", file=sys.stderr)
         return 2
     what = f"n={n:,}" + (f" ({args.model})" if args.n is None else "")
-    title = (f"{what}, density {args.density:g}, {label}: alpha={net['alpha']:.3g} s, "
-             f"beta={net['beta']:.3g} s/B")
+    title = (
+        f"{what}, density {args.density:g}, {label}: alpha={net['alpha']:.3g} s, "
+        f"beta={net['beta']:.3g} s/B"
+    )
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -275,10 +337,13 @@ def add_bench(sub) -> None:
         "pingpong",
         help="fit alpha, beta (and gamma) on this machine; run under mpiexec -n 2",
         description="Ping-pong between ranks 0 and 1 for sizes 8 B ... 4 MiB, least-squares "
-                    "fit of t = alpha + beta*s, and gamma from the merge kernel.",
+        "fit of t = alpha + beta*s, and gamma from the merge kernel.",
     )
-    q.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",") if v],
-                   help="comma-separated byte sizes (default: 8, 16, ..., 4194304)")
+    q.add_argument(
+        "--sizes",
+        type=lambda s: [int(v) for v in s.split(",") if v],
+        help="comma-separated byte sizes (default: 8, 16, ..., 4194304)",
+    )
     q.add_argument("--repeat", type=int, default=None, help="round trips per size")
     q.add_argument("--json", metavar="PATH", help="write alpha, beta, gamma and the rows")
     q.add_argument("--no-gamma", action="store_true", help="skip the merge-kernel timing")

@@ -61,8 +61,7 @@ def pingpong(comm, sizes=DEFAULT_SIZES, repeat: int | None = None, warmup: int =
     c = comm if isinstance(comm, Comm) else Comm(comm)
     sizes = [int(s) for s in sizes]
     if c.size < 2:
-        raise ValueError(f"pingpong needs at least 2 ranks (run under mpiexec -n 2), "
-                         f"got {c.size}")
+        raise ValueError(f"pingpong needs at least 2 ranks (run under mpiexec -n 2), got {c.size}")
     if not sizes or min(sizes) < 1:
         raise ValueError(f"sizes must be positive byte counts, got {sizes}")
     out = []
@@ -179,8 +178,14 @@ def run(args, world) -> int:
     if gamma is not None:
         print(f"gamma = {gamma:.3e} s/byte merged (merge_add, int32+float32 pairs)")
     if args.json:
-        doc = {"alpha": alpha, "beta": beta, "gamma": gamma, "host": platform.node(),
-               "P": world.Get_size(), "rows": [{"bytes": s, "seconds": t} for s, t in rows]}
+        doc = {
+            "alpha": alpha,
+            "beta": beta,
+            "gamma": gamma,
+            "host": platform.node(),
+            "P": world.Get_size(),
+            "rows": [{"bytes": s, "seconds": t} for s, t in rows],
+        }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")

@@ -70,8 +70,7 @@ class SparseResult:
 
         device = A.is_device(self.values)
         if out is None:
-            return A.set_at(A.zeros(self.n, self.values.dtype, device), self.indices,
-                            self.values)
+            return A.set_at(A.zeros(self.n, self.values.dtype, device), self.indices, self.values)
         if tuple(getattr(out, "shape", ()) or ()) != (self.n,):
             got = getattr(out, "shape", None)
             raise ValueError(f"out must have shape ({self.n},), got {got}")

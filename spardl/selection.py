@@ -224,8 +224,12 @@ class ThresholdSelector(Selector):
                     f"this selector has {getattr(self, name)!r}"
                 )
         self._keys = {
-            (tuple(key) if isinstance(key, list) else key): [float(v[0]), int(v[1]), int(v[2]),
-                                                             int(v[3])]
+            (tuple(key) if isinstance(key, list) else key): [
+                float(v[0]),
+                int(v[1]),
+                int(v[2]),
+                int(v[3]),
+            ]
             for key, v in state["keys"]
         }
 

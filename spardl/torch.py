@@ -46,8 +46,13 @@ def _free_port(host: str) -> int:
 
 
 def _local_rank(rank: int) -> int:
-    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
-                "SLURM_LOCALID", "LOCAL_RANK"):
+    for var in (
+        "MPI_LOCALRANKID",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MV2_COMM_WORLD_LOCAL_RANK",
+        "SLURM_LOCALID",
+        "LOCAL_RANK",
+    ):
         if var in os.environ:
             return int(os.environ[var])
     return rank
@@ -104,8 +109,13 @@ def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=N
         if backend == "nccl":
             torch.cuda.set_device(_local_rank(rank) % torch.cuda.device_count())
         kwargs = {} if timeout is None else {"timeout": timeout}
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{int(port[0])}",
-                                rank=rank, world_size=size, **kwargs)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{addr}:{int(port[0])}",
+            rank=rank,
+            world_size=size,
+            **kwargs,
+        )
         return rank, size
     finally:
         c.free()
@@ -197,8 +207,9 @@ class SparseHookState:
         options are checked on every rank at the first sparse step.
     """
 
-    def __init__(self, comm, algorithm: str = "spardl", warmup_steps: int = 2,
-                 **allreducer_options):
+    def __init__(
+        self, comm, algorithm: str = "spardl", warmup_steps: int = 2, **allreducer_options
+    ):
         warmup_steps = _check_warmup(warmup_steps)
         if "op" in allreducer_options:
             raise TypeError("op is fixed to 'mean' for a DDP hook; do not pass it")
@@ -245,8 +256,10 @@ class SparseHookState:
             If the state was saved with another algorithm.
         """
         if state.get("algorithm") != self.algorithm:
-            raise ValueError(f"state was saved with algorithm={state.get('algorithm')!r}, "
-                             f"this hook has {self.algorithm!r}")
+            raise ValueError(
+                f"state was saved with algorithm={state.get('algorithm')!r}, "
+                f"this hook has {self.algorithm!r}"
+            )
         self._red.step = int(state["step"])
         self._red.pending = dict(state["allreducers"])
         self.stats.clear()
@@ -321,8 +334,7 @@ class SparseGradientReducer:
         (different n, algorithm or options).
     """
 
-    def __init__(self, params, comm, algorithm: str = "spardl", warmup_steps: int = 0,
-                 **options):
+    def __init__(self, params, comm, algorithm: str = "spardl", warmup_steps: int = 0, **options):
         self.params = [p for p in params if p.requires_grad]
         self.n = int(sum(p.numel() for p in self.params))
         dtypes = {p.dtype for p in self.params}

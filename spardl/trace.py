@@ -34,8 +34,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Trace", "record", "gather_traces", "save_traces", "load_traces", "summarize",
-           "FORMAT"]
+__all__ = ["Trace", "record", "gather_traces", "save_traces", "load_traces", "summarize", "FORMAT"]
 
 #: The ``format`` tag of a saved trace file.
 FORMAT = "spardl-trace/1"
@@ -160,8 +159,13 @@ def save_traces(path, traces, meta: dict | None = None) -> Path:
         "meta": {...}, "ranks": [[[step, phase, kind, peer, bytes], ...], ...]}``.
     """
     path = Path(path)
-    doc = {"format": FORMAT, "P": len(traces), "fields": list(_FIELDS), "meta": meta or {},
-           "ranks": [[list(r) for r in recs] for recs in traces]}
+    doc = {
+        "format": FORMAT,
+        "P": len(traces),
+        "fields": list(_FIELDS),
+        "meta": meta or {},
+        "ranks": [[list(r) for r in recs] for recs in traces],
+    }
     path.write_text(json.dumps(doc))
     return path
 
@@ -199,8 +203,13 @@ def summarize(traces) -> list[dict]:
     """
     out = []
     for recs in traces:
-        s = {"messages": 0, "bytes": 0, "steps": len({r[0] for r in recs}), "phases": {},
-             "kinds": {}}
+        s = {
+            "messages": 0,
+            "bytes": 0,
+            "steps": len({r[0] for r in recs}),
+            "phases": {},
+            "kinds": {},
+        }
         for _step, phase, kind, _peer, nbytes in recs:
             s["messages"] += 1
             s["bytes"] += int(nbytes)

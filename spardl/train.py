@@ -46,39 +46,87 @@ def add_arguments(p) -> None:
     from . import ALGORITHMS
 
     d = DEFAULTS
-    p.add_argument("--algorithm", choices=sorted(ALGORITHMS), default=d["algorithm"],
-                   help="allreduce algorithm (default: %(default)s)")
-    p.add_argument("--density", type=float, default=d["density"],
-                   help="ρ, fraction of gradient entries sent (default: %(default)s)")
-    p.add_argument("--teams", type=int, default=d["teams"],
-                   help="d, SparDL's number of teams (spardl only; default: %(default)s)")
-    p.add_argument("--residual", choices=("global", "local", "none"), default=d["residual"],
-                   help="error feedback mode (default: %(default)s)")
+    p.add_argument(
+        "--algorithm",
+        choices=sorted(ALGORITHMS),
+        default=d["algorithm"],
+        help="allreduce algorithm (default: %(default)s)",
+    )
+    p.add_argument(
+        "--density",
+        type=float,
+        default=d["density"],
+        help="ρ, fraction of gradient entries sent (default: %(default)s)",
+    )
+    p.add_argument(
+        "--teams",
+        type=int,
+        default=d["teams"],
+        help="d, SparDL's number of teams (spardl only; default: %(default)s)",
+    )
+    p.add_argument(
+        "--residual",
+        choices=("global", "local", "none"),
+        default=d["residual"],
+        help="error feedback mode (default: %(default)s)",
+    )
     p.add_argument("--epochs", type=int, default=d["epochs"], help="default: %(default)s")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"],
-                   help="per-rank batch size (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=d["lr"],
-                   help="peak SGD learning rate, cosine-annealed to 0 (default: %(default)s)")
-    p.add_argument("--momentum", type=float, default=d["momentum"],
-                   help="SGD momentum (default: %(default)s)")
-    p.add_argument("--width", type=int, default=d["width"],
-                   help="channels of the first convolution (default: %(default)s)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=d["batch_size"],
+        help="per-rank batch size (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=d["lr"],
+        help="peak SGD learning rate, cosine-annealed to 0 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--momentum", type=float, default=d["momentum"], help="SGD momentum (default: %(default)s)"
+    )
+    p.add_argument(
+        "--width",
+        type=int,
+        default=d["width"],
+        help="channels of the first convolution (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=d["seed"], help="default: %(default)s")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="dense allreduce for the first steps (default: 0 with the reducer, "
-                        "2 with the DDP hook)")
-    p.add_argument("--hook", choices=("reducer", "ddp"), default=d["hook"],
-                   help="plain loop with SparseGradientReducer, or DDP with the comm hook "
-                        "(default: %(default)s)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="write DIR/metrics.json and DIR/training.png")
-    p.add_argument("--checkpoint", type=Path, default=None,
-                   help="save PATH.rank{r}.pt after every epoch")
-    p.add_argument("--resume", type=Path, default=None,
-                   help="resume from PATH.rank{r}.pt (written by --checkpoint)")
-    p.add_argument("--stop-after", type=int, default=None, metavar="EPOCHS",
-                   help="stop after this many epochs as if interrupted (the schedule still "
-                        "spans --epochs; resume with --resume)")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="dense allreduce for the first steps (default: 0 with the reducer, "
+        "2 with the DDP hook)",
+    )
+    p.add_argument(
+        "--hook",
+        choices=("reducer", "ddp"),
+        default=d["hook"],
+        help="plain loop with SparseGradientReducer, or DDP with the comm hook "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="write DIR/metrics.json and DIR/training.png"
+    )
+    p.add_argument(
+        "--checkpoint", type=Path, default=None, help="save PATH.rank{r}.pt after every epoch"
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="resume from PATH.rank{r}.pt (written by --checkpoint)",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="EPOCHS",
+        help="stop after this many epochs as if interrupted (the schedule still "
+        "spans --epochs; resume with --resume)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -231,8 +279,9 @@ def run(args, world) -> dict | None:
         stats = hook_state.stats
     else:
         warm = 0 if args.warmup_steps is None else args.warmup_steps
-        reducer = SparseGradientReducer(model.parameters(), world, args.algorithm,
-                                        warmup_steps=warm, **options)
+        reducer = SparseGradientReducer(
+            model.parameters(), world, args.algorithm, warmup_steps=warm, **options
+        )
         net = model
         stats = reducer.stats
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -261,12 +310,18 @@ def run(args, world) -> dict | None:
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=max(0, last_epoch - start_epoch) * steps_per_epoch, unit="step",
-                        leave=False, dynamic_ncols=True)
+        progress = tqdm(
+            total=max(0, last_epoch - start_epoch) * steps_per_epoch,
+            unit="step",
+            leave=False,
+            dynamic_ncols=True,
+        )
     log = progress.write if progress is not None else print
     if rank == 0:
-        log(f"spardl train: {args.algorithm} P={P} density={args.density} n={n_params} "
-            f"params, {len(x_tr)} train / {len(x_te)} test images, {steps_per_epoch} steps/epoch")
+        log(
+            f"spardl train: {args.algorithm} P={P} density={args.density} n={n_params} "
+            f"params, {len(x_tr)} train / {len(x_te)} test images, {steps_per_epoch} steps/epoch"
+        )
 
     for epoch in range(start_epoch, last_epoch):
         t_epoch = time.perf_counter()
@@ -275,7 +330,7 @@ def run(args, world) -> dict | None:
         model.train()
         loss_sum = 0.0
         for s in range(steps_per_epoch):
-            idx = order[s * args.batch_size:(s + 1) * args.batch_size]
+            idx = order[s * args.batch_size : (s + 1) * args.batch_size]
             _set_lr(opt, args.lr, epoch * steps_per_epoch + s, args.epochs * steps_per_epoch)
             opt.zero_grad(set_to_none=False)
             loss = F.cross_entropy(net(x_sh[idx]), y_sh[idx])
@@ -298,10 +353,12 @@ def run(args, world) -> dict | None:
         if rank == 0:
             model.eval()
             entry["test_accuracy"] = _accuracy(model, x_te_t, y_te_t)
-            log(f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  "
+            log(
+                f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  "
                 f"test acc {entry['test_accuracy']:.2%}  "
                 f"sent/rank {entry['bytes_sent_per_rank'] / 1e6:.3f} MB  "
-                f"time {entry['seconds']:.1f}s")
+                f"time {entry['seconds']:.1f}s"
+            )
         history.append(entry)
         if args.checkpoint is not None:
             args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
@@ -375,8 +432,7 @@ def _plot(metrics: dict, path: Path) -> None:
     a2.set_xlabel("epoch")
     a2.set_ylabel("bytes sent per rank (MB, cumulative)")
     a2.grid(alpha=0.3)
-    fig.suptitle(f"{metrics['algorithm']}, P={metrics['world_size']}, "
-                 f"density={metrics['density']}")
+    fig.suptitle(f"{metrics['algorithm']}, P={metrics['world_size']}, density={metrics['density']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

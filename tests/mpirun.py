@@ -29,15 +29,15 @@ def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else b
 
 
-def run_mpi(P: int, args: list[str], timeout: int = TIMEOUT, env: dict | None = None,
-            check: bool = True) -> subprocess.CompletedProcess:
+def run_mpi(
+    P: int, args: list[str], timeout: int = TIMEOUT, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run `mpiexec -n P python <args>` from the repository root, killed after `timeout` s.
 
     With ``check`` (default), a non-zero exit fails the calling test with both output streams.
     """
     cmd = [mpiexec(), "-n", str(P), sys.executable, *args]
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                    NUMBA_NUM_THREADS="1")
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     full_env.update(env or {})
     try:
         proc = subprocess.run(

@@ -53,8 +53,9 @@ def ref_oktopk_step(xs, k, bounds=None, residual="global"):
     for j in range(P):
         lo, hi = bounds[j], bounds[j + 1]
         parts = [(i[(i >= lo) & (i < hi)], v[(i >= lo) & (i < hi)]) for i, v in sel]
-        ij, vj = naive.coalesce(np.concatenate([p[0] for p in parts]),
-                                np.concatenate([p[1] for p in parts]))
+        ij, vj = naive.coalesce(
+            np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        )
         red_idx.append(ij)
         red_val.append(vj)
     all_idx, all_val = np.concatenate(red_idx), np.concatenate(red_val)

@@ -24,8 +24,9 @@ def _zeroed(x, positions):
 def ref_topka(xs, k):
     """TopkA: every rank's top-k, summed in rank order; E_r = X_r with its top-k zeroed."""
     sel = [naive.topk_abs(x, k) for x in xs]
-    idx, val = naive.coalesce(np.concatenate([s[0] for s in sel]),
-                              np.concatenate([s[1] for s in sel]))
+    idx, val = naive.coalesce(
+        np.concatenate([s[0] for s in sel]), np.concatenate([s[1] for s in sel])
+    )
     return idx, val, [_zeroed(x, s[0]) for x, s in zip(xs, sel, strict=True)]
 
 
@@ -78,8 +79,9 @@ def ref_gaussiank_select(x, k, corrections=4):
 def ref_gaussiank(xs, k, corrections=4):
     """Gaussian-k: each rank's threshold selection, then as TopkA."""
     sel = [ref_gaussiank_select(x, k, corrections) for x in xs]
-    idx, val = naive.coalesce(np.concatenate([s[0] for s in sel]),
-                              np.concatenate([s[1] for s in sel]))
+    idx, val = naive.coalesce(
+        np.concatenate([s[0] for s in sel]), np.concatenate([s[1] for s in sel])
+    )
     return idx, val, [_zeroed(x, s[0]) for x, s in zip(xs, sel, strict=True)]
 
 
@@ -142,8 +144,9 @@ def ref_gtopk(xs, k):
         d *= 2
     idx, val = held[0]
     final = set(idx.tolist())
-    res = [_zeroed(x, [i for i in s[0].tolist() if i in final]) for x, s in zip(xs, sel,
-                                                                              strict=True)]
+    res = [
+        _zeroed(x, [i for i in s[0].tolist() if i in final]) for x, s in zip(xs, sel, strict=True)
+    ]
     return idx, val, res, dropped
 
 

@@ -56,10 +56,15 @@ def spardl_step(X, density, teams=1, h=None, residual="global"):
     k_all = min(C, max(1, math.floor(density * C * (1 + 1e-9))))
     kb = [min(int(bounds[q + 1] - bounds[q]), k_all) for q in range(m)]
     if h is None:
-        h = [kb[q] if kb[q] == bounds[q + 1] - bounds[q] else
-             max(min(kb[q], max(1, kb[q] // d)),
-                 min(kb[q], max(1, math.floor(density * C / d * (1 + 1e-9)))))
-             for q in range(m)]
+        h = [
+            kb[q]
+            if kb[q] == bounds[q + 1] - bounds[q]
+            else max(
+                min(kb[q], max(1, kb[q] // d)),
+                min(kb[q], max(1, math.floor(density * C / d * (1 + 1e-9)))),
+            )
+            for q in range(m)
+        ]
     elif isinstance(h, int):
         h = [h] * m
 
@@ -108,8 +113,9 @@ def spardl_step(X, density, teams=1, h=None, residual="global"):
         if d == 1:
             final.append(picks[0])
         else:
-            ui, uv = naive.coalesce(np.concatenate([p[0] for p in picks]),
-                                    np.concatenate([p[1] for p in picks]))
+            ui, uv = naive.coalesce(
+                np.concatenate([p[0] for p in picks]), np.concatenate([p[1] for p in picks])
+            )
             unions.append(len(ui))
             rel, top = naive.topk_abs(uv, min(kb[q], len(ui)))
             final.append((ui[rel], top))

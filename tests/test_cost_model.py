@@ -155,16 +155,18 @@ def test_sag_budget_max_bounds_start():
 
 
 def _synthetic(P, alg_records):
-    return [[(0, "x", kind, peer, nbytes) for kind, peer, nbytes in alg_records(r)]
-            for r in range(P)]
+    return [
+        [(0, "x", kind, peer, nbytes) for kind, peer, nbytes in alg_records(r)] for r in range(P)
+    ]
 
 
 def test_replay_of_synthetic_traces():
     alpha, beta, gamma = 2e-6, 1e-9, 5e-10
     P = 8
     # A ring step: every rank sends 1000 B to its right neighbour, rank 3 also 5000 B more.
-    traces = _synthetic(P, lambda r: [("p2p", (r + 1) % P, 1000)]
-                        + ([("p2p", 0, 5000)] if r == 3 else []))
+    traces = _synthetic(
+        P, lambda r: [("p2p", (r + 1) % P, 1000)] + ([("p2p", 0, 5000)] if r == 3 else [])
+    )
     (step,) = cm.replay_steps(traces, alpha, beta, gamma)
     assert step["rank"] == 3 and step["messages"][3] == 2 and step["messages"][0] == 1
     assert step["seconds"] == pytest.approx(2 * alpha + 6000 * (beta + gamma))
@@ -176,8 +178,13 @@ def test_replay_of_synthetic_traces():
     # Projected to 1024 ranks' latency: log₂1024 = 10 rounds per all-gather.
     assert cm.replay_steps(coll, alpha, beta, P=1024)[0]["rounds"][0] == 30
     # Two steps average; dict records are accepted too.
-    two = [[{"step": s, "phase": "p", "kind": "p2p", "peer": 1, "bytes": 100 * (s + 1)}
-            for s in range(2)], []]
+    two = [
+        [
+            {"step": s, "phase": "p", "kind": "p2p", "peer": 1, "bytes": 100 * (s + 1)}
+            for s in range(2)
+        ],
+        [],
+    ]
     assert cm.replay(two, alpha, beta) == pytest.approx(alpha + 150 * beta)
     assert cm.replay([[]], alpha, beta) == 0.0  # P = 1: nothing sent
     with pytest.raises(ValueError, match="kind"):
@@ -198,7 +205,9 @@ def test_replay_equals_closed_form_for_a_spardl_like_trace():
 def test_acceptance_bert_base_on_10g_ethernet():
     """n = 110 M, ρ = 1%, 10 GbE, P = 256: SparDL ≤ 0.6× Ok-Topk and ≤ 0.1× dense."""
     net = cm.NETWORKS["ethernet-10g"]
-    t = {a: cm.predict(a, 256, 110_000_000, 0.01, **net)["seconds"]
-         for a in ("spardl", "oktopk", "dense")}
+    t = {
+        a: cm.predict(a, 256, 110_000_000, 0.01, **net)["seconds"]
+        for a in ("spardl", "oktopk", "dense")
+    }
     assert t["spardl"] <= 0.6 * t["oktopk"]
     assert t["spardl"] <= 0.1 * t["dense"]

@@ -21,8 +21,21 @@ def _gradient(n, rank, step, seed):
 @pytest.mark.parametrize("P", [4])
 def test_custom_pipeline_matches_numpy(P):
     n, density, steps, seed = 20_000, 0.01, 3, 5
-    proc = run_mpi(P, ["examples/custom_pipeline.py", "--n", str(n), "--density", str(density),
-                       "--steps", str(steps), "--seed", str(seed)], timeout=120)
+    proc = run_mpi(
+        P,
+        [
+            "examples/custom_pipeline.py",
+            "--n",
+            str(n),
+            "--density",
+            str(density),
+            "--steps",
+            str(steps),
+            "--seed",
+            str(seed),
+        ],
+        timeout=120,
+    )
     lines = [json.loads(s) for s in proc.stdout.splitlines() if s.startswith("{")]
     assert [r["step"] for r in lines] == list(range(steps))
     k = int(density * n)
@@ -47,5 +60,4 @@ def test_custom_pipeline_matches_numpy(P):
         want_i = np.flatnonzero(hit)
         got_i = np.array(rec["indices"], dtype=np.int64)
         np.testing.assert_array_equal(got_i, want_i)
-        np.testing.assert_allclose(np.array(rec["values"]), total[want_i], rtol=1e-5,
-                                   atol=1e-9)
+        np.testing.assert_allclose(np.array(rec["values"]), total[want_i], rtol=1e-5, atol=1e-9)

@@ -36,5 +36,9 @@ def _gpu_or_sim() -> bool:
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 def test_gpu_pipeline_under_mpiexec(P):
     env = {"NUMBA_ENABLE_CUDASIM": "1"} if SIM else {}
-    run_mpi(P, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/mpi_cudasim"],
-            timeout=600, env=env)
+    run_mpi(
+        P,
+        ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/mpi_cudasim"],
+        timeout=600,
+        env=env,
+    )

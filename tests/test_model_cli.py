@@ -14,14 +14,28 @@ from spardl.model_cli import parse_P, teams_candidates
 
 
 def _model(*args):
-    proc = subprocess.run([sys.executable, "-m", "spardl", "model", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spardl", "model", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return proc
 
 
 def test_model_json_shape_and_acceptance():
-    proc = _model("--model", "bert-base", "--density", "0.01", "--network", "ethernet-10g",
-                  "--P", "8,256", "--json")
+    proc = _model(
+        "--model",
+        "bert-base",
+        "--density",
+        "0.01",
+        "--network",
+        "ethernet-10g",
+        "--P",
+        "8,256",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert {r["algorithm"] for r in rows} == set(cost_model.FORMULAS)
@@ -43,8 +57,21 @@ def test_model_json_shape_and_acceptance():
 
 def test_model_overrides_plot_and_errors(tmp_path):
     png = tmp_path / "m.png"
-    proc = _model("--n", "1000000", "--alpha", "1e-6", "--beta", "1e-10", "--P", "2-16",
-                  "--algorithms", "spardl,dense", "--plot", str(png), "--json")
+    proc = _model(
+        "--n",
+        "1000000",
+        "--alpha",
+        "1e-6",
+        "--beta",
+        "1e-10",
+        "--P",
+        "2-16",
+        "--algorithms",
+        "spardl,dense",
+        "--plot",
+        str(png),
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert sorted({r["P"] for r in rows}) == [2, 4, 8, 16]
@@ -67,8 +94,23 @@ def test_parse_P_and_teams():
 @pytest.mark.mpi
 def test_bench_pingpong_under_mpiexec(tmp_path):
     out = tmp_path / "pp.json"
-    proc = run_mpi(2, ["-m", "spardl", "bench", "pingpong", "--sizes", "8,1024,65536,1048576",
-                       "--repeat", "5", "--no-gamma", "--json", str(out)], timeout=120)
+    proc = run_mpi(
+        2,
+        [
+            "-m",
+            "spardl",
+            "bench",
+            "pingpong",
+            "--sizes",
+            "8,1024,65536,1048576",
+            "--repeat",
+            "5",
+            "--no-gamma",
+            "--json",
+            str(out),
+        ],
+        timeout=120,
+    )
     assert "alpha =" in proc.stdout and "beta" in proc.stdout
     doc = json.loads(out.read_text())
     assert [r["bytes"] for r in doc["rows"]] == [8, 1024, 65536, 1048576]

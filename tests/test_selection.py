@@ -24,9 +24,14 @@ def _drift(rng, n, steps, dtype=np.float32):
 
 @settings(deadline=None, max_examples=60)
 @given(
-    x=arrays(np.float32, st.integers(0, 300),
-             elements=st.one_of(st.floats(-1e3, 1e3, width=32),
-                                st.sampled_from([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0]))),
+    x=arrays(
+        np.float32,
+        st.integers(0, 300),
+        elements=st.one_of(
+            st.floats(-1e3, 1e3, width=32),
+            st.sampled_from([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0]),
+        ),
+    ),
     data=st.data(),
 )
 def test_exact_matches_naive(x, data):

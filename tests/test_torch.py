@@ -31,8 +31,9 @@ def test_import_spardl_does_not_import_torch():
         "import sys, spardl, spardl.cli; spardl.cli.build_parser(); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
 
 

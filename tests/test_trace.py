@@ -75,15 +75,17 @@ def test_recorded_traces_match_stats_and_replay(tmp_path):
             assert sum(s["messages"][r] for s in steps) == meta["stats"][r][0], (alg, r)
             assert sum(s["bytes"][r] for s in steps) == meta["stats"][r][1], (alg, r)
         for s in steps:
-            assert s["seconds"] == pytest.approx(max(
-                r * 1e-5 + b * 1e-9 for r, b in zip(s["rounds"], s["bytes"], strict=True)))
+            assert s["seconds"] == pytest.approx(
+                max(r * 1e-5 + b * 1e-9 for r, b in zip(s["rounds"], s["bytes"], strict=True))
+            )
         if alg != "oktopk":  # Ok-Topk's extra collectives come every τ, τ' steps
             pred = cost_model.predict(alg, P, N, DENSITY)
             for s in steps:
                 per_rank = s["messages"]
                 want = pred["messages"]
                 assert (max(per_rank) if alg == "gtopk" else per_rank) == (
-                    want if alg == "gtopk" else [want] * P), (alg, per_rank, want)
+                    want if alg == "gtopk" else [want] * P
+                ), (alg, per_rank, want)
                 if alg not in ("gtopk",):
                     assert max(s["rounds"]) == pred["rounds"], (alg, s["rounds"], pred)
 

@@ -13,10 +13,32 @@ pytestmark = pytest.mark.mpi
 
 ENV = {"PYTHONPATH": str(ROOT)}
 # Small and fast: P = 2, a narrow model, SparDL at 1%.
-COMMON = ["-m", "spardl", "train", "--algorithm", "spardl", "--density", "0.01",
-          "--width", "4", "--batch-size", "32", "--seed", "3", "--no-progress"]
-REQUIRED = {"algorithm", "world_size", "density", "epochs", "final_test_accuracy",
-            "wall_seconds", "bytes_sent_per_rank", "history"}
+COMMON = [
+    "-m",
+    "spardl",
+    "train",
+    "--algorithm",
+    "spardl",
+    "--density",
+    "0.01",
+    "--width",
+    "4",
+    "--batch-size",
+    "32",
+    "--seed",
+    "3",
+    "--no-progress",
+]
+REQUIRED = {
+    "algorithm",
+    "world_size",
+    "density",
+    "epochs",
+    "final_test_accuracy",
+    "wall_seconds",
+    "bytes_sent_per_rank",
+    "history",
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +50,22 @@ def runs(tmp_path_factory):
 def one_epoch(runs):
     """One epoch of a 2-epoch run, stopped as if interrupted, with --out and --checkpoint
     (also the first half of the resume test)."""
-    proc = run_mpi(2, [*COMMON, "--epochs", "2", "--stop-after", "1", "--out", str(runs / "one"),
-                       "--checkpoint", str(runs / "ck1")], timeout=240, env=ENV)
+    proc = run_mpi(
+        2,
+        [
+            *COMMON,
+            "--epochs",
+            "2",
+            "--stop-after",
+            "1",
+            "--out",
+            str(runs / "one"),
+            "--checkpoint",
+            str(runs / "ck1"),
+        ],
+        timeout=240,
+        env=ENV,
+    )
     return proc
 
 
@@ -55,10 +91,21 @@ def _load(path):
 
 
 def test_resume_equals_uninterrupted_bit_for_bit(one_epoch, runs):
-    run_mpi(2, [*COMMON, "--epochs", "2", "--checkpoint", str(runs / "full")],
-            timeout=240, env=ENV)
-    run_mpi(2, [*COMMON, "--epochs", "2", "--resume", str(runs / "ck1"),
-                "--checkpoint", str(runs / "resumed")], timeout=240, env=ENV)
+    run_mpi(2, [*COMMON, "--epochs", "2", "--checkpoint", str(runs / "full")], timeout=240, env=ENV)
+    run_mpi(
+        2,
+        [
+            *COMMON,
+            "--epochs",
+            "2",
+            "--resume",
+            str(runs / "ck1"),
+            "--checkpoint",
+            str(runs / "resumed"),
+        ],
+        timeout=240,
+        env=ENV,
+    )
     for r in range(2):
         full = _load(runs / f"full.rank{r}.pt")
         res = _load(runs / f"resumed.rank{r}.pt")
@@ -79,8 +126,9 @@ def test_resume_equals_uninterrupted_bit_for_bit(one_epoch, runs):
 
 
 def test_bad_argument_fails_every_rank_quickly(runs):
-    proc = run_mpi(2, [*COMMON, "--epochs", "1", "--density", "1.5"], timeout=120, env=ENV,
-                   check=False)
+    proc = run_mpi(
+        2, [*COMMON, "--epochs", "1", "--density", "1.5"], timeout=120, env=ENV, check=False
+    )
     assert proc.returncode != 0
     assert "density must be in (0, 1]" in proc.stderr
 
@@ -96,9 +144,22 @@ def test_info_lists_versions_and_mpi():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "spardl", "info"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spardl", "info"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     labels = {line.split("  ")[0].strip() for line in proc.stdout.splitlines()}
-    assert {"spardl", "numpy", "numba", "mpi4py", "MPI library", "torch", "CPU threads",
-            "CUDA-aware MPI"} <= labels
+    assert {
+        "spardl",
+        "numpy",
+        "numba",
+        "mpi4py",
+        "MPI library",
+        "torch",
+        "CPU threads",
+        "CUDA-aware MPI",
+    } <= labels

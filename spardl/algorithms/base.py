@@ -123,8 +123,18 @@ class Allreducer:
     #: back once (correct, but the step costs two O(n) transfers).
     device_resident = True
 
-    def __init__(self, comm, n, *, density=0.01, op="mean", residual="global",
-                 nonfinite="raise", check=True, **options):
+    def __init__(
+        self,
+        comm,
+        n,
+        *,
+        density=0.01,
+        op="mean",
+        residual="global",
+        nonfinite="raise",
+        check=True,
+        **options,
+    ):
         self.comm = comm if isinstance(comm, Comm) else Comm(comm)
         self.P = self.comm.size
         self.rank = self.comm.rank
@@ -238,8 +248,7 @@ class Allreducer:
                 g = A.view(grad)  # zero copy: a Numba device array on the same memory
             except Exception as e:  # noqa: BLE001 - raised on every rank as a type error
                 raise TypeError(
-                    f"grad is a GPU array that cannot be used here "
-                    f"({type(e).__name__}: {e})"
+                    f"grad is a GPU array that cannot be used here ({type(e).__name__}: {e})"
                 ) from e
             self._check_vector(g.ndim, g.shape, np.dtype(g.dtype))
             return g
@@ -296,8 +305,12 @@ class Allreducer:
             self.collective_check(
                 err,
                 [name_hash(self.name), self.n, _dtype_code(dtype), self._calls],
-                {"grad dtype": str(dtype), "n": self.n, "algorithm": self.name,
-                 "call number": self._calls},
+                {
+                    "grad dtype": str(dtype),
+                    "n": self.n,
+                    "algorithm": self.name,
+                    "call number": self._calls,
+                },
             )
         elif err is not None:
             raise err
@@ -377,8 +390,12 @@ class Allreducer:
         ValueError
             If the state comes from another algorithm, n, world size or rank.
         """
-        for key, mine in (("algorithm", self.name), ("n", self.n), ("world_size", self.P),
-                          ("rank", self.rank)):
+        for key, mine in (
+            ("algorithm", self.name),
+            ("n", self.n),
+            ("world_size", self.P),
+            ("rank", self.rank),
+        ):
             if state.get(key) != mine:
                 raise ValueError(
                     f"state was saved with {key}={state.get(key)!r}, this allreducer has {mine!r}"

@@ -51,8 +51,9 @@ def sent_reached(sent_indices: np.ndarray, out_indices: np.ndarray) -> np.ndarra
     return out_indices[pos] == sent_indices
 
 
-def error_feedback(x: np.ndarray, sent_indices: np.ndarray, mode: str,
-                   out_indices: np.ndarray | None = None) -> np.ndarray:
+def error_feedback(
+    x: np.ndarray, sent_indices: np.ndarray, mode: str, out_indices: np.ndarray | None = None
+) -> np.ndarray:
     """This rank's new residual E_new from X and the coordinates it sent.
 
     Parameters
@@ -92,8 +93,9 @@ def error_feedback(x: np.ndarray, sent_indices: np.ndarray, mode: str,
     return x
 
 
-def allgather_sum(comm, indices: np.ndarray, values: np.ndarray, n: int,
-                  equal_counts: bool) -> tuple[np.ndarray, np.ndarray]:
+def allgather_sum(
+    comm, indices: np.ndarray, values: np.ndarray, n: int, equal_counts: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """All-gather every rank's sparse vector and sum them in rank order 0 … P−1.
 
     Parameters

@@ -169,7 +169,7 @@ class OkTopk(Allreducer):
         offs = A.to_host(K.block_offsets(sel_idx, bounds))
 
         def region(j):
-            return sel_idx[offs[j]:offs[j + 1]], sel_val[offs[j]:offs[j + 1]]
+            return sel_idx[offs[j] : offs[j + 1]], sel_val[offs[j] : offs[j + 1]]
 
         parts = [None] * P
         parts[r] = region(r)
@@ -179,21 +179,30 @@ class OkTopk(Allreducer):
         for i in range(1, P):
             dest, src = (r + i) % P, (r - i) % P
             (parts[src],) = self.comm.exchange_blocks(
-                dest, [region(dest)], [int(bounds[dest])], src, [int(bounds[r])], cap,
-                wire, sel_val.dtype,
+                dest,
+                [region(dest)],
+                [int(bounds[dest])],
+                src,
+                [int(bounds[r])],
+                cap,
+                wire,
+                sel_val.dtype,
             )
         # Sum in rank order so the result does not depend on the rotation.
         dev = A.is_device(sel_val)
-        return K.coalesce(A.concat([p[0] for p in parts], np.int64, dev),
-                          A.concat([p[1] for p in parts], sel_val.dtype, dev))
+        return K.coalesce(
+            A.concat([p[0] for p in parts], np.int64, dev),
+            A.concat([p[1] for p in parts], sel_val.dtype, dev),
+        )
 
     def _global_threshold(self, red_val):
         """The k-th largest reduced magnitude over all regions (0 when fewer than k exist)."""
         k = self.k
         _, top = K.topk_abs(red_val, min(k, red_val.shape[0]))
         dev = A.is_device(red_val)
-        mags = A.concat([A.absolute(top), A.zeros(k - top.shape[0], red_val.dtype, dev)],
-                        red_val.dtype, dev)
+        mags = A.concat(
+            [A.absolute(top), A.zeros(k - top.shape[0], red_val.dtype, dev)], red_val.dtype, dev
+        )
         everyone = self.comm.allgather_array(mags).reshape(self.P * k) if self.P > 1 else mags
         th = float(K.kth_largest_abs(everyone, k))
         # NaN data gives a NaN threshold; 0 keeps every reduced entry (NaN included).
@@ -228,8 +237,11 @@ class OkTopk(Allreducer):
             )
         # Owners' segments are consecutive in index order, so rank order keeps indices sorted.
         dev = A.is_device(keep_val)
-        return (counts, A.concat([p[0] for p in parts], np.int64, dev),
-                A.concat([p[1] for p in parts], keep_val.dtype, dev))
+        return (
+            counts,
+            A.concat([p[0] for p in parts], np.int64, dev),
+            A.concat([p[1] for p in parts], keep_val.dtype, dev),
+        )
 
     def _allgather(self, bal_idx, bal_val, counts):
         """Every rank gets every kept entry: one all-gather of equal-size padded chunks."""
@@ -249,8 +261,10 @@ class OkTopk(Allreducer):
         wire = wire_index_dtype(self.n)
         everyone = self.comm.allgather_array(pack_blocks([(idx, val)], [0], wire, vdt))
         chunks = [unpack_blocks(everyone[q], 1, [0], wire, vdt)[0] for q in range(P)]
-        return (A.concat([c[0][: sizes[q]] for q, c in enumerate(chunks)], np.int64, dev),
-                A.concat([c[1][: sizes[q]] for q, c in enumerate(chunks)], vdt, dev))
+        return (
+            A.concat([c[0][: sizes[q]] for q, c in enumerate(chunks)], np.int64, dev),
+            A.concat([c[1][: sizes[q]] for q, c in enumerate(chunks)], vdt, dev),
+        )
 
     def _residual_after(self, x, sel_idx, sel_val, out_idx):
         """E_new (Algorithm 2): X minus what this rank contributed, where it counted."""

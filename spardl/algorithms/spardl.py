@@ -133,8 +133,9 @@ class SparDL(Allreducer):
         if tau < 1:
             raise ValueError(f"threshold_interval must be >= 1, got {tau}")
         kind = self.opts["selector"]
-        self.selector = make_selector(kind, interval=int(tau)) if kind == "threshold" \
-            else make_selector(kind)
+        self.selector = (
+            make_selector(kind, interval=int(tau)) if kind == "threshold" else make_selector(kind)
+        )
         self.d = int(d)
         self.m = self.P // self.d
         self.team_id = self.rank // self.m
@@ -170,9 +171,14 @@ class SparDL(Allreducer):
         held = {me: item}
         for rnd in rounds:
             got = comm.exchange_blocks(
-                rnd.dest, [held[q] for q in rnd.send], [start_of(q) for q in rnd.send],
-                rnd.source, [start_of(q) for q in rnd.recv],
-                sum(cap_of(q) for q in rnd.recv), self._idt, vdt,
+                rnd.dest,
+                [held[q] for q in rnd.send],
+                [start_of(q) for q in rnd.send],
+                rnd.source,
+                [start_of(q) for q in rnd.recv],
+                sum(cap_of(q) for q in rnd.recv),
+                self._idt,
+                vdt,
             )
             held.update(zip(rnd.recv, got, strict=True))
         return held
@@ -192,9 +198,14 @@ class SparDL(Allreducer):
             for rnd in self._srs:
                 blocks = [self._select(S, b, self.k_b[b]) for b in rnd.send]
                 got = self._team.exchange_blocks(
-                    rnd.dest, blocks, [self._starts[b] for b in rnd.send],
-                    rnd.source, [self._starts[b] for b in rnd.recv],
-                    sum(mc(self.k_b[b]) for b in rnd.recv), self._idt, vdt,
+                    rnd.dest,
+                    blocks,
+                    [self._starts[b] for b in rnd.send],
+                    rnd.source,
+                    [self._starts[b] for b in rnd.recv],
+                    sum(mc(self.k_b[b]) for b in rnd.recv),
+                    self._idt,
+                    vdt,
                 )
                 # A sent block is never received again (the tree): its partial sum with the
                 # sent positions zeroed is final and is this rank's step-2 residual (GRC).
@@ -220,11 +231,20 @@ class SparDL(Allreducer):
             A.zero_at(S, mine[0])
             sent.append(mine[0])
             with self.comm.phase("sag_teams"):
-                sel = self._bruck(self._cross, self._cross_ag, self.team_id, mine,
-                                  lambda t: self._starts[p], lambda t: mc(h), vdt)
+                sel = self._bruck(
+                    self._cross,
+                    self._cross_ag,
+                    self.team_id,
+                    mine,
+                    lambda t: self._starts[p],
+                    lambda t: mc(h),
+                    vdt,
+                )
             # Team order 0 … d−1: the same sums in the same order on all d owners.
-            ui, uv = K.coalesce(A.concat([sel[t][0] for t in range(self.d)], np.int64, dev),
-                                A.concat([sel[t][1] for t in range(self.d)], vdt, dev))
+            ui, uv = K.coalesce(
+                A.concat([sel[t][0] for t in range(self.d)], np.int64, dev),
+                A.concat([sel[t][1] for t in range(self.d)], vdt, dev),
+            )
             u = int(ui.shape[0])
             rel, top = K.topk_abs(uv, min(kb, u))
             own = (A.take(ui, rel), top)
@@ -233,8 +253,9 @@ class SparDL(Allreducer):
             cap_team = lambda q: self.k_b[q]  # noqa: E731
 
         with self.comm.phase("sag_allgather"):
-            blocks = self._bruck(self._team, self._team_ag, p, own,
-                                 lambda q: self._starts[q], cap_team, vdt)
+            blocks = self._bruck(
+                self._team, self._team_ag, p, own, lambda q: self._starts[q], cap_team, vdt
+            )
         indices = A.concat([blocks[q][0] for q in range(self.m)], np.int64, dev)
         values = A.concat([blocks[q][1] for q in range(self.m)], vdt, dev)
 

@@ -114,9 +114,14 @@ class TopkDSA(Allreducer):
                 break
             dest, source = (r + s) % P, (r - s) % P
             got_i, got_v = self.comm.exchange_blocks(
-                dest, [(idx[offs[dest] : offs[dest + 1]], val[offs[dest] : offs[dest + 1]])],
-                [int(bounds[dest])], source, [start], min(self.k, length),
-                self.wire_index, val.dtype,
+                dest,
+                [(idx[offs[dest] : offs[dest + 1]], val[offs[dest] : offs[dest + 1]])],
+                [int(bounds[dest])],
+                source,
+                [start],
+                min(self.k, length),
+                self.wire_index,
+                val.dtype,
             )[0]
             if dense is not None:
                 scatter_add(dense, A.shift(got_i, -start), got_v)

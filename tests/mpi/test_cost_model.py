@@ -46,8 +46,9 @@ def _cases():
     yield "spardl", {"teams": 2}
 
 
-@pytest.mark.parametrize(("algorithm", "options"), list(_cases()),
-                         ids=lambda v: v if isinstance(v, str) else repr(v))
+@pytest.mark.parametrize(
+    ("algorithm", "options"), list(_cases()), ids=lambda v: v if isinstance(v, str) else repr(v)
+)
 def test_measured_stats_match_the_formula(comm, algorithm, options):
     P = comm.size
     assert algorithm in cost_model.FORMULAS, f"no cost formula for registered {algorithm!r}"
@@ -59,8 +60,15 @@ def test_measured_stats_match_the_formula(comm, algorithm, options):
     teams = options.pop("teams", 1)
     kw = {"teams": teams} if algorithm == "spardl" and teams != 1 else {}
     measured = _one_step(comm, algorithm, **kw)
-    pred = cost_model.predict(algorithm, P, N, DENSITY, teams=teams, word_bytes=4,
-                              **({"step": 0} if algorithm == "oktopk" else {}))
+    pred = cost_model.predict(
+        algorithm,
+        P,
+        N,
+        DENSITY,
+        teams=teams,
+        word_bytes=4,
+        **({"step": 0} if algorithm == "oktopk" else {}),
+    )
     msgs = [m for m, _ in measured]
     sent = [b for _, b in measured]
     if P == 1:

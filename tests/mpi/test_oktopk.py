@@ -44,8 +44,15 @@ def test_first_step_equals_the_reference(comm, dtype, n, density):
 def test_exact_mode_equals_the_reference_over_steps(comm):
     """selector="exact", τ' = 1: every step is exact; regions are reused between τ = 2 steps."""
     n, density = 300, 0.04
-    ar = spardl.make("oktopk", comm, n, density=density, selector="exact",
-                     threshold_interval=1, region_interval=2)
+    ar = spardl.make(
+        "oktopk",
+        comm,
+        n,
+        density=density,
+        selector="exact",
+        threshold_interval=1,
+        region_interval=2,
+    )
     residuals = None
     bounds = None
     for step in range(5):
@@ -114,8 +121,9 @@ def test_messages_within_the_paper_bound(comm):
     (2P + 2 log₂P) (Li & Hoefler, Eq. 3; a collective counts 1 here). P = 1 sends nothing."""
     P = comm.size
     n, tau_prime, tau = 400, 3, 2
-    ar = spardl.make("oktopk", comm, n, density=0.05, threshold_interval=tau_prime,
-                     region_interval=tau)
+    ar = spardl.make(
+        "oktopk", comm, n, density=0.05, threshold_interval=tau_prime, region_interval=tau
+    )
     before = ar.stats["messages"]
     for step in range(6):
         ar(grads_for(comm, n, np.float32, seed=80 + step)[comm.rank])

@@ -129,6 +129,7 @@ def test_messages_counted(comm, algorithm):
 
 # -- cases/collectives.md ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("algorithm", PEERS)
 def test_c1_c5_budget_and_single_rank(comm, algorithm):
     """C5: k = ⌊ρn⌋ = 10 for n = 1000, ρ = 0.01 on every rank. C1: P = 1, n = 100, ρ = 0.05:
@@ -250,7 +251,7 @@ def test_topkdsa_switches_dense_past_break_even(comm):
 
 @pytest.mark.parametrize("algorithm", PEERS)
 def test_residual_modes(comm, algorithm):
-    """"local" zeroes every sent coordinate (for gtopk, also those that did not survive);
+    """ "local" zeroes every sent coordinate (for gtopk, also those that did not survive);
     "none" keeps no residual. The outputs of the first step do not depend on the mode."""
     n = 120
     g = grads_for(comm, n, np.float64, seed=31)[comm.rank]

@@ -50,8 +50,9 @@ def _step_and_check(comm, ar, g, density, d, dtype, residual="global"):
     if d > 1:
         # the d owners of one block position always use the same h
         assert all(hs[w] == hs[w % m] for w in range(P))
-    ref_i, ref_v, ref_e, _ = spardl_step(x_all, density, teams=d,
-                                         h=hs[:m] if d > 1 else None, residual=residual)
+    ref_i, ref_v, ref_e, _ = spardl_step(
+        x_all, density, teams=d, h=hs[:m] if d > 1 else None, residual=residual
+    )
     np.testing.assert_array_equal(out.indices, ref_i)
     want = ref_v / ref_v.dtype.type(P) if P > 1 else ref_v
     assert out.values.tobytes() == want.astype(dtype).tobytes()
@@ -94,8 +95,10 @@ def test_local_residual_loses_mass(comm, capsys):
         lost[mode] = total
     if comm.rank == 0:
         with capsys.disabled():
-            print(f"\n[P={comm.size}] relative mass lost over 3 steps: "
-                  f"global {lost['global']:.3g}, local {lost['local']:.3g}")
+            print(
+                f"\n[P={comm.size}] relative mass lost over 3 steps: "
+                f"global {lost['global']:.3g}, local {lost['local']:.3g}"
+            )
     assert lost["global"] <= 3e-12
     if comm.size > 1:
         assert lost["local"] > 1e-3
@@ -160,8 +163,9 @@ def test_cost_with_teams(comm, which):
 def test_threshold_selector_conserves(comm, which):
     d = _teams(comm, which)
     n, density = 1001, 0.05
-    ar = spardl.make("spardl", comm, n, density=density, teams=d, selector="threshold",
-                     threshold_interval=3)
+    ar = spardl.make(
+        "spardl", comm, n, density=density, teams=d, selector="threshold", threshold_interval=3
+    )
     for step in range(7):
         g = grads_for(comm, n, np.float32, seed=70 + step, kind="heavy")[comm.rank]
         x = g + ar.residual
@@ -176,8 +180,7 @@ def test_state_dict_resume_with_threshold_and_teams(comm, which):
     d = _teams(comm, which)
     n, kw = 501, {"density": 0.05, "teams": d, "selector": "threshold", "threshold_interval": 2}
     a = spardl.make("spardl", comm, n, **kw)
-    grads = [grads_for(comm, n, np.float64, seed=80 + s, kind="heavy")[comm.rank]
-             for s in range(6)]
+    grads = [grads_for(comm, n, np.float64, seed=80 + s, kind="heavy")[comm.rank] for s in range(6)]
     for g in grads[:3]:
         a(g)
     b = spardl.make("spardl", comm, n, **kw)
@@ -203,6 +206,7 @@ def test_next_h_rule():
 
 
 # -- the collective cases of cases/collectives.md, for spardl ----------------------------------
+
 
 def test_c1_one_rank_output_is_the_top_selection(comm):
     if comm.size != 1:

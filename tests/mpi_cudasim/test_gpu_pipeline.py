@@ -61,8 +61,14 @@ def grad(comm, step, dtype=np.float32):
 
 
 CONFIGS = [
-    ("dense", {}), ("spardl", {"teams": 1}), ("spardl", {"teams": 2}), ("topka", {}),
-    ("gaussiank", {}), ("topkdsa", {}), ("gtopk", {}), ("oktopk", {}),
+    ("dense", {}),
+    ("spardl", {"teams": 1}),
+    ("spardl", {"teams": 2}),
+    ("topka", {}),
+    ("gaussiank", {}),
+    ("topkdsa", {}),
+    ("gtopk", {}),
+    ("oktopk", {}),
 ]
 
 
@@ -134,8 +140,7 @@ def test_cuda_aware_path_matches_staged(comm, monkeypatch):
     assert A.is_device(dense_out.values)
     want = np.zeros(N, np.float64)
     comm.Allreduce(g.astype(np.float64), want)
-    np.testing.assert_allclose(A.to_host(dense_out.values), want / comm.size, rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(A.to_host(dense_out.values), want / comm.size, rtol=1e-5, atol=1e-6)
 
 
 def test_comm_device_messages(comm):
@@ -144,21 +149,26 @@ def test_comm_device_messages(comm):
     idx = np.array([3, 5, 9], np.int64)
     val = np.array([1.5, -2.0, 0.25], np.float32)
     blocks_h = [(idx, val), (idx[:0], val[:0])]
-    blocks_d = [(cuda.to_device(idx), cuda.to_device(val)),
-                (cuda.to_device(idx[:0]), cuda.to_device(val[:0]))]
+    blocks_d = [
+        (cuda.to_device(idx), cuda.to_device(val)),
+        (cuda.to_device(idx[:0]), cuda.to_device(val[:0])),
+    ]
     packed_h = C.pack_blocks(blocks_h, [2, 0], np.int32, np.float32)
     packed_d = C.pack_blocks(blocks_d, [2, 0], np.int32, np.float32)
     assert A.is_device(packed_d) and bits(packed_d) == packed_h.tobytes()
-    for (ih, vh), (i_d, v_d) in zip(C.unpack_blocks(packed_h, 2, [2, 0], np.int32, np.float32),
-                                    C.unpack_blocks(packed_d, 2, [2, 0], np.int32, np.float32),
-                                    strict=True):
+    for (ih, vh), (i_d, v_d) in zip(
+        C.unpack_blocks(packed_h, 2, [2, 0], np.int32, np.float32),
+        C.unpack_blocks(packed_d, 2, [2, 0], np.int32, np.float32),
+        strict=True,
+    ):
         assert A.is_device(i_d) and bits(i_d) == ih.tobytes() and bits(v_d) == vh.tobytes()
     P, r = c.size, c.rank
     mine = np.arange(4, dtype=np.float64) + 10 * r
     rows = c.allgather_array(cuda.to_device(mine))
     assert A.is_device(rows)
-    np.testing.assert_array_equal(A.to_host(rows), np.stack([np.arange(4) + 10 * q
-                                                             for q in range(P)]))
+    np.testing.assert_array_equal(
+        A.to_host(rows), np.stack([np.arange(4) + 10 * q for q in range(P)])
+    )
     var = c.allgatherv_bytes(cuda.to_device(np.full(r + 1, r, np.uint8)))
     assert all(A.is_device(v) for v in var)
     assert [A.to_host(v).tolist() for v in var] == [[q] * (q + 1) for q in range(P)]
@@ -220,8 +230,11 @@ def test_arrays_twins():
     both(A.take, idx, np.array([3, 1], np.int64))
     both(A.absolute, x)
     both(A.divide, x, 3)
-    assert bits(A.concat([cuda.to_device(x), idx[:0].astype(np.float32), cuda.to_device(y)],
-                         np.float32, True)) == bits(A.concat([x, y], np.float32, False))
+    assert bits(
+        A.concat(
+            [cuda.to_device(x), idx[:0].astype(np.float32), cuda.to_device(y)], np.float32, True
+        )
+    ) == bits(A.concat([x, y], np.float32, False))
     assert bits(A.zeros(5, np.float64, True)) == bits(A.zeros(5, np.float64, False))
     assert bits(A.arange(6, True)) == bits(A.arange(6, False))
     assert A.all_finite(cuda.to_device(x)) and A.all_finite(x)

@@ -54,14 +54,20 @@ def ddp_matches_allreduce(world, algorithm):
             opt.zero_grad()
             F.cross_entropy(net(xb), yb).backward()
             opt.step()
-    diffs = [float((a - b).detach().abs().max()) for a, b in
-             zip(ref_model.parameters(), hook_model.parameters(), strict=True)]
+    diffs = [
+        float((a - b).detach().abs().max())
+        for a, b in zip(ref_model.parameters(), hook_model.parameters(), strict=True)
+    ]
     scale = max(float(p.abs().max()) for p in ref_model.parameters())
-    moved = max(float((a - b).detach().abs().max()) for a, b in
-                zip(ref_model.parameters(), build_model_like(base_seed=0).parameters(),
-                    strict=True))
-    same_everywhere = _same_everywhere(world, torch.cat([p.detach().flatten()
-                                                         for p in hook_model.parameters()]))
+    moved = max(
+        float((a - b).detach().abs().max())
+        for a, b in zip(
+            ref_model.parameters(), build_model_like(base_seed=0).parameters(), strict=True
+        )
+    )
+    same_everywhere = _same_everywhere(
+        world, torch.cat([p.detach().flatten() for p in hook_model.parameters()])
+    )
     return {
         "max_abs_diff": max(diffs),
         "param_scale": scale,
@@ -131,21 +137,33 @@ def bucket_resize(world, algorithm):
     state = SparseHookState(world, algorithm, warmup_steps=0, density=0.5)
     record = []
     for n in (40, 40, 60, 60):
-        g = torch.from_numpy(np.random.default_rng([n, rank, len(record)]).standard_normal(n)
-                             .astype(np.float32))
+        g = torch.from_numpy(
+            np.random.default_rng([n, rank, len(record)]).standard_normal(n).astype(np.float32)
+        )
         fut = sparse_allreduce_hook(state, FakeBucket(0, g.clone(), True))
         out = fut.wait()
         ar = state.allreducers[0]
-        record.append({"n": n, "ar_n": ar.n, "ar_id": id(ar), "created": state.created,
-                       "shape": list(out.shape), "dtype": str(out.dtype),
-                       "same_everywhere": _same_everywhere(world, out)})
+        record.append(
+            {
+                "n": n,
+                "ar_n": ar.n,
+                "ar_id": id(ar),
+                "created": state.created,
+                "shape": list(out.shape),
+                "dtype": str(out.dtype),
+                "same_everywhere": _same_everywhere(world, out),
+            }
+        )
     # The warm-up path: dense mean over ranks, exactly.
     warm = SparseHookState(world, algorithm, warmup_steps=1, density=0.01)
     g = torch.full((10,), float(rank + 1))
     out = sparse_allreduce_hook(warm, FakeBucket(0, g, True)).wait()
     expected = (P + 1) / 2
-    return {"calls": record, "warmup_mean_ok": bool(torch.all(out == expected)),
-            "warmup_created": warm.created}
+    return {
+        "calls": record,
+        "warmup_mean_ok": bool(torch.all(out == expected)),
+        "warmup_created": warm.created,
+    }
 
 
 def reducer_writes_back(world, algorithm):
