@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 __all__ = ["COMMANDS", "build_parser", "main", "mpiexec_path", "run_collective"]
@@ -32,26 +31,14 @@ def run_collective(fn, *args) -> int:
 
     Under ``mpiexec`` a rank that raises would leave the others blocked in their next collective,
     so the failing rank prints its traceback and aborts the MPI job (every rank exits non-zero
-    within seconds). In a single process the exception is printed and the exit code is 1.
+    within seconds; :func:`spardl.abort_on_exception`).
     """
-    world = _world()
-    try:
-        fn(*args, world)
-        return 0
-    except BaseException as e:  # noqa: BLE001 - any failure must end every rank
-        if isinstance(e, SystemExit) and e.code in (0, None):
-            return 0
-        sys.stdout.flush()
-        print(
-            f"[rank {world.Get_rank()}] spardl: unhandled error, aborting the job", file=sys.stderr
-        )
-        traceback.print_exc()
-        sys.stderr.flush()
-        if world.Get_size() > 1:
-            from .comm import Comm
+    from .comm import abort_on_exception
 
-            Comm(world, dup=False).abort(1)
-        return 1
+    world = _world()
+    with abort_on_exception(world):
+        fn(*args, world)
+    return 0
 
 
 # -- train -------------------------------------------------------------------------------------

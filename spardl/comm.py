@@ -706,15 +706,28 @@ def abort_on_exception(comm, code: int = 1):
         The communicator to abort (all of its processes end).
     code : int, default 1
         The exit status passed to ``MPI_Abort``.
+
+    Notes
+    -----
+    ``SystemExit`` with status 0 or None (a clean ``sys.exit()``) passes through untouched.
     """
     try:
         yield
+    except SystemExit as e:
+        if e.code not in (0, None):
+            _abort(comm, code)
+        raise
     except BaseException:
-        import sys
-        import traceback
+        _abort(comm, code)
 
-        rank = comm.rank if isinstance(comm, Comm) else comm.Get_rank()
-        sys.stderr.write(f"spardl: rank {rank} failed; aborting every rank\n")
-        traceback.print_exc()
-        sys.stderr.flush()
-        (comm.mpi if isinstance(comm, Comm) else comm).Abort(code)
+
+def _abort(comm, code: int) -> None:
+    import sys
+    import traceback
+
+    rank = comm.rank if isinstance(comm, Comm) else comm.Get_rank()
+    sys.stdout.flush()
+    sys.stderr.write(f"spardl: rank {rank} failed; aborting every rank\n")
+    traceback.print_exc()
+    sys.stderr.flush()
+    (comm.mpi if isinstance(comm, Comm) else comm).Abort(code)
