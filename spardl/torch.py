@@ -238,12 +238,14 @@ class SparseHookState:
         """Step, counters and every bucket's allreducer state (residuals)."""
         import copy
 
-        return {
-            "algorithm": self.algorithm,
-            "step": self._red.step,
-            "allreducers": {k: ar.state_dict() for k, ar in self._red.allreducers.items()},
-            "stats": copy.deepcopy(self.stats),
-        }
+        return to_torch_state(
+            {
+                "algorithm": self.algorithm,
+                "step": self._red.step,
+                "allreducers": {k: ar.state_dict() for k, ar in self._red.allreducers.items()},
+                "stats": copy.deepcopy(self.stats),
+            }
+        )
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`. Allreducers are created lazily (at the first sparse step
@@ -255,6 +257,7 @@ class SparseHookState:
         ValueError
             If the state was saved with another algorithm.
         """
+        state = from_torch_state(state)
         if state.get("algorithm") != self.algorithm:
             raise ValueError(
                 f"state was saved with algorithm={state.get('algorithm')!r}, "
@@ -338,7 +341,13 @@ class SparseGradientReducer:
         self.params = [p for p in params if p.requires_grad]
         self.n = int(sum(p.numel() for p in self.params))
         dtypes = {p.dtype for p in self.params}
+        bad = sorted(str(d) for d in dtypes if not d.is_floating_point)
+        if bad:
+            raise TypeError(f"params must be floating point, got dtype(s) {bad}")
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        if dtype not in (torch.float16, torch.float32, torch.float64):
+            # bfloat16 (or another float NumPy cannot view): reduce in a float32 buffer.
+            dtype = torch.float32
         self._warmup = _check_warmup(warmup_steps)
         self.algorithm = algorithm
         self._red = _Reductions(comm, algorithm, self._warmup, options)
@@ -391,16 +400,22 @@ class SparseGradientReducer:
         return out
 
     def state_dict(self) -> dict:
-        """The allreducer's state (residuals, selector state), the step and the counters."""
+        """The allreducer's state (residuals, selector state), the step and the counters.
+
+        Arrays are torch tensors and scalars plain Python numbers, so ``torch.save`` /
+        ``torch.load`` (with its default ``weights_only=True``) round-trip it.
+        """
         import copy
 
-        return {
-            "algorithm": self.algorithm,
-            "n": self.n,
-            "step": self._red.step,
-            "allreducer": self.allreducer.state_dict(),
-            "stats": copy.deepcopy(self.stats),
-        }
+        return to_torch_state(
+            {
+                "algorithm": self.algorithm,
+                "n": self.n,
+                "step": self._red.step,
+                "allreducer": self.allreducer.state_dict(),
+                "stats": copy.deepcopy(self.stats),
+            }
+        )
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; the next :meth:`reduce` continues bit for bit.
@@ -410,6 +425,7 @@ class SparseGradientReducer:
         ValueError
             If the state was saved with another algorithm or n (or another rank / world size).
         """
+        state = from_torch_state(state)
         for key, mine in (("algorithm", self.algorithm), ("n", self.n)):
             if state.get(key) != mine:
                 raise ValueError(
@@ -421,3 +437,32 @@ class SparseGradientReducer:
         if stats is not None:
             self.stats.clear()
             self.stats.update(stats)
+
+
+def to_torch_state(obj):
+    """A state dict with NumPy arrays as torch tensors and NumPy scalars as Python numbers.
+
+    What ``torch.load`` accepts with ``weights_only=True`` (its default): a checkpoint holding an
+    allreducer's state (residuals, thresholds, counters) loads without unpickling NumPy objects.
+    :func:`from_torch_state` is the inverse.
+    """
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.array(obj, copy=True))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: to_torch_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_torch_state(v) for v in obj)
+    return obj
+
+
+def from_torch_state(obj):
+    """Inverse of :func:`to_torch_state`: torch tensors back to NumPy arrays."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: from_torch_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(from_torch_state(v) for v in obj)
+    return obj

@@ -37,7 +37,10 @@ def run_mpi(
     With ``check`` (default), a non-zero exit fails the calling test with both output streams.
     """
     cmd = [mpiexec(), "-n", str(P), sys.executable, *args]
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    # A process manager's variables (if pytest itself runs under one) would make the child
+    # job join the wrong process group.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
+    full_env = dict(inherited, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     full_env.update(env or {})
     try:
         proc = subprocess.run(

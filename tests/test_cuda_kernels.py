@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ if not (SIM or cuda.is_available()):
 import naive  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from numba import int64  # noqa: E402
 
 import spardl_kernels as sk  # noqa: E402
 import spardl_kernels.cpu as cpu  # noqa: E402
@@ -44,14 +46,58 @@ BITS = {np.dtype(np.float16): np.int16, np.dtype(np.float32): np.int32,
         np.dtype(np.float64): np.int64}
 
 
+def _atomic_simulator_shared_arrays():
+    """Make the simulator's ``cuda.shared.array`` allocation atomic; returns an undo function.
+
+    The simulator (numba-cuda 0.30) gives each call site one array per launch with an unlocked
+    check-then-insert (``_allocations.get(site)``, then ``np.empty`` and a store). When the GIL
+    switches between the two, two threads of a block each create an array: the earlier one keeps
+    a private, uninitialised "shared" array nobody else sees, and the kernel computes garbage
+    (wrong scan offsets, histograms, positions). A simulator artefact, not a race of the kernels
+    (on a GPU a block has one shared array per declaration); at the 5 ms default switch interval
+    it is rare, at the 1 us used here it breaks a launch now and then (more often on a loaded
+    machine). Same key (file and line of the caller) as the simulator.
+    """
+    from numba.cuda.simulator import kernelapi
+
+    shared = getattr(kernelapi, "FakeCUDAShared", None)
+    if shared is None or not hasattr(shared, "array"):
+        return lambda: None
+    original = shared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory: no allocation race
+            return original(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            res = self._allocations.get(site)
+            if res is None:
+                res = np.empty(shape, kernelapi.numpy_support.as_dtype(dtype)
+                               if isinstance(dtype, kernelapi.types.Type) else dtype)
+                self._allocations[site] = res
+        return res
+
+    shared.array = array
+
+    def undo():
+        shared.array = original
+
+    return undo
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _fast_simulator_threads():
     # The simulator runs each CUDA thread as a Python thread; the default 5 ms GIL switch
-    # interval makes every syncthreads() wait for a full round of time slices.
+    # interval makes every syncthreads() wait for a full round of time slices. At 1 us the
+    # simulator's unlocked shared-array allocation races (see _atomic_simulator_shared_arrays).
     old = sys.getswitchinterval()
+    undo = _atomic_simulator_shared_arrays() if SIM else (lambda: None)
     sys.setswitchinterval(1e-6)
     yield
     sys.setswitchinterval(old)
+    undo()
 
 
 @pytest.fixture(autouse=True)
@@ -416,6 +462,50 @@ def test_K12_uneven_final_block():
     assert host(bounds).tolist() == [0, 3, 6, 9, 11, 13]
     offsets = sk.block_offsets(dev(np.array([0, 2, 3, 9, 12])), bounds)
     assert host(offsets).tolist() == [0, 2, 3, 3, 4, 5]
+
+
+# ---------------------------------------------------------------------------------------------
+# races: many tiny blocks under a 1 us GIL switch interval (simulator threads interleave finely)
+# ---------------------------------------------------------------------------------------------
+
+
+@cuda.jit
+def _block_sum_via_shared(out):
+    sh = cuda.shared.array(16, int64)
+    t = cuda.threadIdx.x
+    sh[t] = t + 1
+    cuda.syncthreads()
+    s = 0
+    for j in range(cuda.blockDim.x):
+        s += sh[j]
+    out[cuda.blockIdx.x * cuda.blockDim.x + t] = s
+
+
+@pytest.mark.parametrize("tpb", [8, 16])
+def test_no_races_with_tiny_blocks_and_fine_interleaving(monkeypatch, tpb):
+    # Every thread of a block must see one shared array (the simulator's allocation race, see
+    # _atomic_simulator_shared_arrays), and the barrier-heavy kernels (scans, sort, compaction)
+    # must give the naive results when threads switch every few bytecodes.
+    assert sys.getswitchinterval() <= 1e-5
+    out = cuda.device_array(4 * tpb, np.int64)
+    for _ in range(5):
+        _block_sum_via_shared[4, tpb](out)
+        assert (host(out) == tpb * (tpb + 1) // 2).all()
+    monkeypatch.setattr(config, "CUDA_THREADS_PER_BLOCK", tpb)
+    monkeypatch.setattr(config, "CUDA_HIST_THREADS_PER_BLOCK", tpb)
+    monkeypatch.setattr(config, "CUDA_MAX_BLOCKS", 0)
+    rng = np.random.default_rng(tpb)
+    for _ in range(2):
+        x = nasty(np.float32, n=120, seed=int(rng.integers(1 << 30)))
+        assert_pair(gpu.topk_abs(dev(x), 37), naive.topk_abs(x, 37))
+        ia = np.sort(rng.choice(300, 90, replace=False))
+        ib = np.sort(rng.choice(300, 70, replace=False))
+        va, vb = rng.standard_normal(90), rng.standard_normal(70)
+        assert_pair(gpu.merge_add(dev(ia), dev(va), dev(ib), dev(vb)),
+                    naive.merge_add(ia, va, ib, vb))
+        idx = rng.integers(0, 60, 150)
+        vals = rng.standard_normal(150).astype(np.float32)
+        assert_pair(gpu.coalesce(dev(idx), dev(vals)), naive.coalesce(idx, vals))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -233,7 +233,9 @@ class Allreducer:
         if not ok:
             bad = [(r, rep[0]) for r, rep in enumerate(reports) if rep[0] is not None]
             r, (kind, msg) = bad[0]
-            raise ValueError(f"rank {r} rejected its arguments ({kind}: {msg})")
+            # The same exception type as the failing rank raises, so every rank can catch it alike.
+            exc = TypeError if kind == "TypeError" else ValueError
+            raise exc(f"rank {r} rejected its arguments ({kind}: {msg})")
         descs = [rep[1] for rep in reports]
         diffs = [
             f"{key}: " + ", ".join(f"rank {r}={d.get(key)!r}" for r, d in enumerate(descs))

@@ -22,6 +22,8 @@ from .common import allgather_sum, error_feedback
 LOW, HIGH = 2.0 / 3.0, 4.0 / 3.0
 #: Above CAP·k selected entries after the corrections, the exact top-k is sent instead.
 CAP = 2.0
+#: Below FLOOR·k selected entries after the corrections, the exact top-k is sent instead.
+FLOOR = 1.0 / 3.0
 
 
 def folded_normal_tail_quantile(q: float, mu: float, sigma: float) -> float:
@@ -86,8 +88,9 @@ class Gaussiank(Allreducer):
        (a bisection in log t), which converges on k instead of oscillating.
     3. Send every |X_i| ≥ t (``select_above``). If c is still above 2k (a distribution the normal
        fit describes badly, a constant or all-zero vector where every entry ties, or a non-finite
-       fit because X holds NaN or Inf), send the exact top-k instead: a bounded message, and NaN
-       is always selected so the base class reports it.
+       fit because X holds NaN or Inf), or below k/3 (ties at the threshold: a constant vector
+       selects all or nothing), send the exact top-k instead: a bounded message that never
+       starves, and NaN is always selected so the base class reports it.
 
     **Counts vary per rank** (each rank fits its own X), so the all-gather is an all-gatherv:
     2 messages (sizes, then data). The sum is in rank order, bit-identical on every rank.
@@ -139,7 +142,8 @@ class Gaussiank(Allreducer):
     def _reduce(self, x: np.ndarray) -> Reduced:
         with self.comm.phase("select"):
             t = self.threshold(x)
-            if t is None or count_above(x, t) > CAP * self.k:
+            c = -1 if t is None else count_above(x, t)
+            if t is None or not FLOOR * self.k <= c <= CAP * self.k:
                 idx, val = topk_abs(x, self.k)
             else:
                 idx, val = select_above(x, t)

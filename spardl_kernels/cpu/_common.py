@@ -25,16 +25,29 @@ KEY_INFO = {
 }
 
 
-def as_array(x):
-    """View ``x`` as a NumPy array without copying where NumPy can (CPU torch tensors too)."""
+def as_array(x, name="x"):
+    """View ``x`` as a NumPy array without copying where NumPy can (CPU torch tensors too).
+
+    Raises
+    ------
+    TypeError
+        Naming ``name``, when NumPy cannot view ``x`` (e.g. a bfloat16 tensor, or a tensor that
+        requires grad).
+    """
     if isinstance(x, np.ndarray):
         return x
-    return np.asarray(x)
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(
+            f"{name} must be an array NumPy can view (float16/32/64 values or int32/int64 "
+            f"indices; detach tensors that require grad), got {type(x).__name__}: {e}"
+        ) from e
 
 
 def as_values(name, x):
     """Coerce and check a value array (1-D, float16/32/64)."""
-    a = as_array(x)
+    a = as_array(x, name)
     _validate.check_values(name, a.ndim, a.dtype)
     return a
 
@@ -44,7 +57,7 @@ def as_indices(name, x):
 
     An empty array of any numeric dtype (e.g. ``np.array([])``, float64) is taken as empty int64.
     """
-    a = as_array(x)
+    a = as_array(x, name)
     if a.ndim == 1 and a.shape[0] == 0 and a.dtype not in _validate.INDEX_DTYPES:
         a = np.empty(0, np.int64)
     _validate.check_indices(name, a.ndim, a.dtype)

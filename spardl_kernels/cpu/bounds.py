@@ -203,4 +203,11 @@ def block_offsets(indices, bounds):
         "must be non-negative, sorted and unique",
     )
     _validate.require(_nondecreasing(bounds), "bounds", "must be nondecreasing")
+    if indices.shape[0] and bounds.shape[0]:
+        # Sorted, so the ends decide: an index outside [bounds[0], bounds[-1]) is in no block.
+        _validate.require(
+            bounds[0] <= indices[0] and indices[-1] < bounds[-1],
+            "indices",
+            f"every index must lie in [bounds[0], bounds[-1]) = [{bounds[0]}, {bounds[-1]})",
+        )
     return _block_offsets(indices, bounds)

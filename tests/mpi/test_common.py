@@ -263,3 +263,17 @@ def test_sum_is_P_times_mean(comm, algorithm):
     total = spardl.make(algorithm, comm, n, density=0.1, op="sum")(g)
     np.testing.assert_array_equal(mean.indices, total.indices)
     np.testing.assert_allclose(total.values, mean.values * comm.size, rtol=1e-12)
+
+
+@pytest.mark.parametrize("algorithm", ALGS)
+def test_constant_gradient_is_not_starved(comm, algorithm):
+    """Every entry ties: the selection still sends about k entries (ties to the lower index)."""
+    n = 100
+    ar = spardl.make(algorithm, comm, n, density=0.1)
+    for _ in range(2):
+        x = np.ones(n) + ar.residual
+        out = ar(np.ones(n))
+        assert_identical_everywhere(comm, out)
+        assert out.nnz >= 1
+        if ar.conserves:
+            assert conservation_error(comm, x, out.to_dense(), ar.residual, "mean") <= 1e-13
