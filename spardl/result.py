@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+__all__ = ["SparseResult"]
+
 
 @dataclass(frozen=True, eq=False)
 class SparseResult:
