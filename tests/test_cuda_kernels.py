@@ -42,8 +42,11 @@ pytestmark = pytest.mark.cudasim
 real_gpu_only = pytest.mark.skipif(SIM, reason="needs a real GPU (too slow on the simulator)")
 
 DTYPES = [np.float16, np.float32, np.float64]
-BITS = {np.dtype(np.float16): np.int16, np.dtype(np.float32): np.int32,
-        np.dtype(np.float64): np.int64}
+BITS = {
+    np.dtype(np.float16): np.int16,
+    np.dtype(np.float32): np.int32,
+    np.dtype(np.float64): np.int64,
+}
 
 
 def _atomic_simulator_shared_arrays():
@@ -74,8 +77,12 @@ def _atomic_simulator_shared_arrays():
         with lock:
             res = self._allocations.get(site)
             if res is None:
-                res = np.empty(shape, kernelapi.numpy_support.as_dtype(dtype)
-                               if isinstance(dtype, kernelapi.types.Type) else dtype)
+                res = np.empty(
+                    shape,
+                    kernelapi.numpy_support.as_dtype(dtype)
+                    if isinstance(dtype, kernelapi.types.Type)
+                    else dtype,
+                )
                 self._allocations[site] = res
         return res
 
@@ -213,10 +220,8 @@ def test_kth_largest_abs_nan_and_zero():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_select_above_and_count_above(dtype):
     x = nasty(dtype, seed=2)
-    for t in ([1.5, np.inf, np.nan, 0.0] if dtype == np.float32 else [1.5]):
-        assert_pair(
-            gpu.select_above(dev(x), t), naive.select_above(x, t), cpu.select_above(x, t)
-        )
+    for t in [1.5, np.inf, np.nan, 0.0] if dtype == np.float32 else [1.5]:
+        assert_pair(gpu.select_above(dev(x), t), naive.select_above(x, t), cpu.select_above(x, t))
         assert gpu.count_above(dev(x), t) == naive.count_above(x, t) == cpu.count_above(x, t)
 
 
@@ -379,8 +384,10 @@ def test_block_offsets_matches_searchsorted():
 
 
 def test_K1_ties_go_to_the_lower_index():
-    assert_pair(sk.topk_abs(dev(np.array([3, 2, 3, 2, 1, 1], np.float32)), 2),
-                ([0, 2], np.array([3, 3], np.float32)))
+    assert_pair(
+        sk.topk_abs(dev(np.array([3, 2, 3, 2, 1, 1], np.float32)), 2),
+        ([0, 2], np.array([3, 3], np.float32)),
+    )
 
 
 def test_K2_ties_at_the_maximum_by_magnitude():
@@ -446,7 +453,9 @@ def test_K9_indices_above_2_24_are_exact():
 
 def test_K10_merge_add_sums_the_overlap():
     got = sk.merge_add(
-        dev(np.array([0, 5])), dev(np.array([1.0, 2.0])), dev(np.array([5, 7])),
+        dev(np.array([0, 5])),
+        dev(np.array([1.0, 2.0])),
+        dev(np.array([5, 7])),
         dev(np.array([3.0, 4.0])),
     )
     assert_pair(got, ([0, 5, 7], [1.0, 5.0, 4.0]))
@@ -501,8 +510,9 @@ def test_no_races_with_tiny_blocks_and_fine_interleaving(monkeypatch, tpb):
         ia = np.sort(rng.choice(300, 90, replace=False))
         ib = np.sort(rng.choice(300, 70, replace=False))
         va, vb = rng.standard_normal(90), rng.standard_normal(70)
-        assert_pair(gpu.merge_add(dev(ia), dev(va), dev(ib), dev(vb)),
-                    naive.merge_add(ia, va, ib, vb))
+        assert_pair(
+            gpu.merge_add(dev(ia), dev(va), dev(ib), dev(vb)), naive.merge_add(ia, va, ib, vb)
+        )
         idx = rng.integers(0, 60, 150)
         vals = rng.standard_normal(150).astype(np.float32)
         assert_pair(gpu.coalesce(dev(idx), dev(vals)), naive.coalesce(idx, vals))
@@ -583,7 +593,11 @@ def test_without_cuda_import_fails_with_one_clear_error():
         "        print('IMPORT-ERROR', e)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     ).stdout
     if "HAS-GPU" in out:
@@ -627,12 +641,18 @@ def test_bench_gpu_arguments():
     args = mod.parse_args(["out.json", "--sizes", "1000,2000", "--kernels", "topk_abs,copy"])
     assert args.sizes == [1000, 2000] and args.kernels == ["topk_abs", "copy"]
     assert mod.parse_args(["o.json"]).sizes == [25_000_000, 110_000_000]
-    for bad in (["o.json", "--sizes", "x"], ["o.json", "--kernels", "nope"],
-                ["o.json", "--density", "0"], []):
+    for bad in (
+        ["o.json", "--sizes", "x"],
+        ["o.json", "--kernels", "nope"],
+        ["o.json", "--density", "0"],
+        [],
+    ):
         with pytest.raises(SystemExit):
             mod.parse_args(bad)
     help_out = subprocess.run(
         [sys.executable, os.path.join(root, "bench", "gpu.py"), "--help"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert help_out.returncode == 0 and "json_path" in help_out.stdout
