@@ -5,12 +5,8 @@ collective, so the first failing rank prints its report and aborts the whole job
 which the outer runner (tests/test_mpi.py) shows.
 """
 
-import os
 import sys
 from pathlib import Path
-
-import pytest
-from mpi4py import MPI
 
 # tests/ holds the NumPy references (naive.py, ref_*.py) shared with the single-process tests.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -27,18 +23,5 @@ def pytest_configure(config):
         pass
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    if rep.failed and os.environ.get("SPARDL_TEST_NO_ABORT") != "1":
-        rank = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(f"\n===== rank {rank}: {item.nodeid} FAILED ({rep.when}) =====\n")
-        sys.stderr.write(str(rep.longrepr) + "\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-
-
-@pytest.fixture
-def comm():
-    return MPI.COMM_WORLD
+# The abort-on-failure hook and the `comm` fixture, shared by every folder run on every rank.
+from mpiutil import comm, pytest_runtest_makereport  # noqa: E402, F401

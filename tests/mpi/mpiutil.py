@@ -2,8 +2,34 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
+import pytest
 from mpi4py import MPI
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Abort the whole job at the first failure: the other ranks would wait in a collective.
+
+    Re-exported by the conftest.py of every folder whose tests run on every rank.
+    """
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and os.environ.get("SPARDL_TEST_NO_ABORT") != "1":
+        rank = MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write(f"\n===== rank {rank}: {item.nodeid} FAILED ({rep.when}) =====\n")
+        sys.stderr.write(str(rep.longrepr) + "\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture
+def comm():
+    """The world communicator (every rank runs every test)."""
+    return MPI.COMM_WORLD
 
 
 def gather_all(comm, obj):

@@ -4,12 +4,8 @@ tests/test_gpu_pipeline.py. They are collective, like tests/mpi/, and reuse its 
 first failing rank prints its report and aborts the whole job.
 """
 
-import os
 import sys
 from pathlib import Path
-
-import pytest
-from mpi4py import MPI
 
 HERE = Path(__file__).resolve().parent
 # tests/ (naive references) and tests/mpi/ (mpiutil) on the path, as in tests/mpi/conftest.py.
@@ -17,18 +13,5 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "mpi"))
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    if rep.failed and os.environ.get("SPARDL_TEST_NO_ABORT") != "1":
-        rank = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(f"\n===== rank {rank}: {item.nodeid} FAILED ({rep.when}) =====\n")
-        sys.stderr.write(str(rep.longrepr) + "\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-
-
-@pytest.fixture
-def comm():
-    return MPI.COMM_WORLD
+# The abort-on-failure hook and the `comm` fixture, shared by every folder run on every rank.
+from mpiutil import comm, pytest_runtest_makereport  # noqa: E402, F401
