@@ -303,12 +303,14 @@ class Allreducer:
             err = e
         self._calls += 1
         dtype = None if g is None else g.dtype
+        on_gpu = g is not None and A.is_device(g)
         if self.check:
             self.collective_check(
                 err,
-                [name_hash(self.name), self.n, _dtype_code(dtype), self._calls],
+                [name_hash(self.name), self.n, _dtype_code(dtype), self._calls, int(on_gpu)],
                 {
                     "grad dtype": str(dtype),
+                    "grad device": "gpu" if on_gpu else "cpu",
                     "n": self.n,
                     "algorithm": self.name,
                     "call number": self._calls,
@@ -316,7 +318,7 @@ class Allreducer:
             )
         elif err is not None:
             raise err
-        device = A.is_device(g)
+        device = on_gpu
         if self._dtype is None:
             self._dtype = np.dtype(g.dtype)
             self._residual = A.zeros(self.n, _work_dtype(self._dtype), device)

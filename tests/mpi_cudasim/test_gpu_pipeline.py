@@ -255,3 +255,16 @@ def test_device_grad_errors_name_the_argument(comm):
         ar(cuda.to_device(np.zeros(N + 1, np.float32)))
     with pytest.raises(TypeError, match="dtype"):
         ar(cuda.to_device(np.zeros(N, np.int32)))
+
+
+def test_device_mismatch_across_ranks_raises_everywhere(comm):
+    """One rank passes a GPU gradient, the others CPU ones: ValueError on every rank, no hang."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    n = 40
+    ar = spardl.make("spardl", comm, n, density=0.1)
+    g = np.ones(n, np.float32)
+    mine = cuda.to_device(g) if comm.rank == 0 else g
+    with pytest.raises(ValueError, match="device"):
+        ar(mine)
+    comm.Barrier()
