@@ -16,7 +16,8 @@ class SparseResult:
     Attributes
     ----------
     indices : ndarray of shape (nnz,), int64
-        Positions of the entries, strictly ascending, each in ``[0, n)``.
+        Positions of the entries, strictly ascending, each in ``[0, n)``. Entries whose reduced
+        value is exactly ±0 are not listed.
     values : ndarray of shape (nnz,), the gradient's dtype
         The reduced values (sum or mean over the ranks, by the allreducer's ``op``).
     n : int

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import spardl_kernels as K
+
 from .. import _arrays as A
 from ..comm import Comm, name_hash
 from ..result import SparseResult
@@ -352,7 +354,8 @@ class Allreducer:
         values = red.values
         if self.op == "mean" and self.P > 1:
             values = A.divide(values, self.P)
-        return SparseResult(red.indices, A.cast(values, self._dtype, copy=False), self.n)
+        indices, values = _without_zeros(red.indices, A.cast(values, self._dtype, copy=False))
+        return SparseResult(indices, values, self.n)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -418,6 +421,21 @@ class Allreducer:
             f"{type(self).__name__}(P={self.P}, n={getattr(self, 'n', '?')}, "
             f"density={getattr(self, 'density', '?')}, op={getattr(self, 'op', '?')!r})"
         )
+
+
+def _without_zeros(indices, values):
+    """Drop the entries that are exactly ±0 (NaN is kept): the same vector, no explicit zeros.
+
+    A top-k of a block with fewer than k non-zeros selects zeros too (ties go to the lower index),
+    and a mean can round to 0 in the gradient's dtype; the result should not list them. One pass
+    over the nnz output values; the dense vector (``to_dense()``) is unchanged, and so are the
+    residuals (computed before).
+    """
+    tiny = float(np.nextafter(values.dtype.type(0), values.dtype.type(1)))
+    keep, kept = K.select_above(values, tiny)  # |v| >= smallest subnormal  <=>  v != 0 or NaN
+    if len(keep) == len(values):
+        return indices, values
+    return A.take(indices, keep), kept
 
 
 def _safe_int(v) -> int:

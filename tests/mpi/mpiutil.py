@@ -70,3 +70,16 @@ def conservation_error(comm, x_local, out_dense, residual_new, op):
     scale = P if op == "mean" else 1
     diff = sx - scale * np.asarray(out_dense, np.float64) - se
     return float(np.max(np.abs(diff), initial=0.0) / max(np.max(np.abs(sx), initial=0.0), 1e-30))
+
+
+def assert_sparse_equal(out, ref_indices, ref_values):
+    """``out`` holds exactly the reference's entries, bit for bit, less its explicit zeros.
+
+    The allreducers drop entries whose reduced value is exactly ±0 (a selection may pick zeros
+    when fewer than k entries are non-zero); the references keep them. NaN entries are kept.
+    """
+    ref_indices = np.asarray(ref_indices)
+    ref_values = np.asarray(ref_values)
+    keep = ref_values != 0
+    np.testing.assert_array_equal(out.indices, ref_indices[keep])
+    np.testing.assert_array_equal(out.values, ref_values[keep])

@@ -114,6 +114,7 @@ def test_c4_single_nonzero_is_reduced(comm, algorithm):
     dense = out.to_dense()
     assert dense[0] == np.float32((comm.size + 1) / 2)
     assert np.all(dense[1:] == 0)
+    np.testing.assert_array_equal(out.indices, [0])  # no explicit zeros listed
 
 
 @pytest.mark.parametrize("algorithm", ALGS)
