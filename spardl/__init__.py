@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from .algorithms import Allreducer, NonFiniteError
+from .algorithms.base import collective_check
 from .algorithms.dense import Dense
 from .algorithms.gaussiank import Gaussiank
 from .algorithms.gtopk import GTopk
@@ -66,15 +67,8 @@ def make(algorithm: str, comm, n: int, **options) -> Allreducer:
     err = ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
     # Same collective sequence as a constructor, so ranks that did name a known algorithm
     # fail with this rank instead of waiting for it.
-    Allreducer.collective_check(
-        _Unknown(c), err, [name_hash(repr(algorithm))], {"algorithm": repr(algorithm)}
-    )
+    collective_check(c, err, [name_hash(repr(algorithm))], {"algorithm": repr(algorithm)})
     raise err  # pragma: no cover - collective_check raised
-
-
-class _Unknown:
-    def __init__(self, comm):
-        self.comm = comm
 
 
 __all__ = [

@@ -217,34 +217,9 @@ class Allreducer:
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
 
     def collective_check(self, err, signature, described) -> None:
-        """Raise on every rank if any rank failed locally or the ranks disagree.
-
-        One small allreduce when everything is fine; on failure, one more (an all-gather of
-        the error reports) so that every rank can name the argument and the ranks involved.
-        """
-        sig = list(signature)[:SIGNATURE_LEN]
-        sig += [0] * (SIGNATURE_LEN - len(sig))
-        ok, same = self.comm.agree(err is None, sig)
-        if ok and same:
-            return
-        reports = self.comm.allgather_object(
-            (None if err is None else (type(err).__name__, str(err)), described)
-        )
-        if err is not None:
-            raise err
-        if not ok:
-            bad = [(r, rep[0]) for r, rep in enumerate(reports) if rep[0] is not None]
-            r, (kind, msg) = bad[0]
-            # The same exception type as the failing rank raises, so every rank can catch it alike.
-            exc = TypeError if kind == "TypeError" else ValueError
-            raise exc(f"rank {r} rejected its arguments ({kind}: {msg})")
-        descs = [rep[1] for rep in reports]
-        diffs = [
-            f"{key}: " + ", ".join(f"rank {r}={d.get(key)!r}" for r, d in enumerate(descs))
-            for key in descs[0]
-            if any(d.get(key) != descs[0].get(key) for d in descs)
-        ]
-        raise ValueError("ranks disagree on " + "; ".join(diffs or ["the call sequence"]))
+        """Raise on every rank if any rank failed locally or the ranks disagree
+        (:func:`collective_check` over this allreducer's communicator)."""
+        collective_check(self.comm, err, signature, described)
 
     def _as_vector(self, grad) -> np.ndarray:
         if A.is_device(grad):
@@ -421,6 +396,53 @@ class Allreducer:
             f"{type(self).__name__}(P={self.P}, n={getattr(self, 'n', '?')}, "
             f"density={getattr(self, 'density', '?')}, op={getattr(self, 'op', '?')!r})"
         )
+
+
+def collective_check(comm: Comm, err, signature, described) -> None:
+    """Raise on every rank if any rank failed locally or the ranks disagree.
+
+    One small allreduce when everything is fine; on failure, one more (an all-gather of the
+    error reports) so that every rank can name the argument and the ranks involved.
+
+    Parameters
+    ----------
+    comm : Comm
+        The communicator every rank calls this on.
+    err : Exception or None
+        This rank's local validation error, re-raised on this rank.
+    signature : sequence of int
+        Up to ``SIGNATURE_LEN`` integers that must be equal on every rank.
+    described : dict
+        The same fields in words, to name what differs.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, unless every rank passed and all signatures match.
+    """
+    sig = list(signature)[:SIGNATURE_LEN]
+    sig += [0] * (SIGNATURE_LEN - len(sig))
+    ok, same = comm.agree(err is None, sig)
+    if ok and same:
+        return
+    reports = comm.allgather_object(
+        (None if err is None else (type(err).__name__, str(err)), described)
+    )
+    if err is not None:
+        raise err
+    if not ok:
+        bad = [(r, rep[0]) for r, rep in enumerate(reports) if rep[0] is not None]
+        r, (kind, msg) = bad[0]
+        # The same exception type as the failing rank raises, so every rank can catch it alike.
+        exc = TypeError if kind == "TypeError" else ValueError
+        raise exc(f"rank {r} rejected its arguments ({kind}: {msg})")
+    descs = [rep[1] for rep in reports]
+    diffs = [
+        f"{key}: " + ", ".join(f"rank {r}={d.get(key)!r}" for r, d in enumerate(descs))
+        for key in descs[0]
+        if any(d.get(key) != descs[0].get(key) for d in descs)
+    ]
+    raise ValueError("ranks disagree on " + "; ".join(diffs or ["the call sequence"]))
 
 
 def _without_zeros(indices, values):
