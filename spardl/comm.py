@@ -722,12 +722,17 @@ def abort_on_exception(comm, code: int = 1):
 
 
 def _abort(comm, code: int) -> None:
+    import os
     import sys
+    import time
     import traceback
 
     rank = comm.rank if isinstance(comm, Comm) else comm.Get_rank()
     sys.stdout.flush()
-    sys.stderr.write(f"spardl: rank {rank} failed; aborting every rank\n")
-    traceback.print_exc()
     sys.stderr.flush()
+    # The report goes out in one unbuffered write, and the process manager gets a moment to
+    # forward it: MPI_Abort tears the job down at once and can drop output still in flight.
+    report = f"spardl: rank {rank} failed; aborting every rank\n" + traceback.format_exc()
+    os.write(2, report.encode(errors="replace"))
+    time.sleep(0.5)
     (comm.mpi if isinstance(comm, Comm) else comm).Abort(code)
