@@ -107,6 +107,11 @@ def bench_size(n, repeat, density, torch_threads):
     ci = np.concatenate([ia, ib])
     cv = np.concatenate([va, vb])
     rows["coalesce 500k (unsorted)"] = timeit(lambda: sk.coalesce(ci, cv), repeat)
+    # what an all-gather of P = 8 sparse vectors of 20,000 entries returns: 8 sorted runs
+    runs = [sorted_pairs(rng, 20_000, 2_000_000) for _ in range(8)]
+    ri = np.concatenate([r[0] for r in runs])
+    rv = np.concatenate([r[1] for r in runs])
+    rows["coalesce 8 runs x 20k"] = timeit(lambda: sk.coalesce(ri, rv), repeat)
 
     ratios = [
         ("select_above / copyto", rows["select_above(x, kth)"] / rows["np.copyto(x)"], "<= 0.75"),

@@ -210,6 +210,27 @@ def test_coalesce(data, dtype):
 
 
 @SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), runs=st.integers(2, 70))
+def test_coalesce_of_sorted_runs(data, dtype, runs):
+    """A concatenation of sorted vectors (an all-gather's output) takes the run-merge path."""
+    parts = [data.draw(sparse_vectors(dtype, max_index=50)) for _ in range(runs)]
+    idx = np.concatenate([p[0].astype(np.int64) for p in parts])
+    vals = np.concatenate([p[1] for p in parts])
+    with np.errstate(all="ignore"):
+        ref = naive.coalesce(idx, vals)
+    same_pair(sk.coalesce(idx, vals), ref)
+
+
+@pytest.mark.parametrize("runs", [1, 3, 64, 65, 2000])
+def test_coalesce_run_counts_around_the_switch(runs):
+    """Few runs, the run-merge limit, and many runs (the merge-sort path) agree bit for bit."""
+    rng = np.random.default_rng(runs)
+    idx = np.concatenate([np.sort(rng.integers(0, 3000, 40)) for _ in range(runs)])
+    vals = rng.standard_normal(idx.size).astype(np.float32) * np.float32(1e4)
+    same_pair(sk.coalesce(idx, vals), naive.coalesce(idx, vals))
+
+
+@SETTINGS
 @given(data=st.data(), dtype=st.sampled_from(DTYPES))
 def test_scatter_add_and_gather(data, dtype):
     dense = data.draw(vectors(max_size=100, dtype=dtype))
