@@ -32,6 +32,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -64,6 +65,34 @@ def new_stats() -> dict:
     }
 
 
+class _TimedMPI:
+    """An mpi4py communicator whose every method call adds its wall and thread-CPU seconds to
+    ``clock`` (what :meth:`Comm.start_trace` with ``timed=True`` puts in place)."""
+
+    __slots__ = ("_comm", "_clock")
+
+    def __init__(self, comm, clock: list):
+        self._comm = comm
+        self._clock = clock
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if not callable(attr):
+            return attr
+        clock = self._clock
+
+        def timed(*args, **kwargs):
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                clock[0] += time.perf_counter() - w0
+                clock[1] += time.thread_time() - c0
+                clock[2] += 1
+
+        return timed
+
+
 @dataclass
 class _Accounting:
     """Mutable state shared by a communicator and the sub-communicators split from it."""
@@ -72,6 +101,7 @@ class _Accounting:
     phase: str = "other"
     trace: list | None = None
     step: int = 0
+    clock: list | None = None  # [wall s, thread CPU s, calls] inside MPI calls, while timed
 
     def _phase_stats(self) -> dict:
         ph = self.stats["phases"].get(self.phase)
@@ -370,12 +400,18 @@ class Comm:
                 f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), "
                 f"got {type(mpi_comm).__name__}"
             )
-        self.mpi = mpi_comm.Dup() if dup else mpi_comm
+        self._mpi = mpi_comm.Dup() if dup else mpi_comm
         self._owns = dup
-        self.rank = self.mpi.Get_rank()
-        self.size = self.mpi.Get_size()
+        self.rank = self._mpi.Get_rank()
+        self.size = self._mpi.Get_size()
         self._acct = _acct if _acct is not None else _Accounting()
         self._pinned: dict = {}  # slot -> pinned host staging buffer (uint8), grown as needed
+
+    @property
+    def mpi(self):
+        """The wrapped mpi4py communicator (a timing proxy of it while a timed trace runs)."""
+        clock = self._acct.clock
+        return self._mpi if clock is None else _TimedMPI(self._mpi, clock)
 
     # -- device buffers ---------------------------------------------------------------------
     def _stage(self, slot: str, nbytes: int) -> np.ndarray:
@@ -427,13 +463,21 @@ class Comm:
         finally:
             self._acct.phase = prev
 
-    def start_trace(self) -> None:
-        """Record every message as (step, phase, kind, peer, bytes) from now on."""
+    def start_trace(self, timed: bool = False) -> list | None:
+        """Record every message as (step, phase, kind, peer, bytes) from now on.
+
+        With ``timed``, also clock every MPI call of this communicator and of those split from
+        it: returns the live list ``[wall seconds, thread-CPU seconds, calls]`` spent inside MPI
+        (busy-polling included), summed until :meth:`stop_trace`. Without it returns None.
+        """
         self._acct.trace = []
+        self._acct.clock = [0.0, 0.0, 0] if timed else None
+        return self._acct.clock
 
     def stop_trace(self) -> list:
-        """Stop recording and return the recorded messages."""
+        """Stop recording (and clocking) and return the recorded messages."""
         trace, self._acct.trace = self._acct.trace or [], None
+        self._acct.clock = None
         return trace
 
     def next_step(self) -> None:
@@ -442,15 +486,15 @@ class Comm:
 
     def split(self, color: int, key: int) -> Comm:
         """Split into sub-communicators that share this one's accounting."""
-        sub = self.mpi.Split(color, key)
+        sub = self._mpi.Split(color, key)
         c = Comm(sub, dup=False, _acct=self._acct)
         c._owns = True
         return c
 
     def free(self) -> None:
         """Free the duplicated communicator (idempotent)."""
-        if self._owns and self.mpi != MPI.COMM_NULL:
-            self.mpi.Free()
+        if self._owns and self._mpi != MPI.COMM_NULL:
+            self._mpi.Free()
             self._owns = False
 
     # -- point to point ---------------------------------------------------------------------

@@ -54,11 +54,30 @@ class Trace:
     records : list of tuple
         ``(step, phase, kind, peer, bytes)`` per message sent, in order; filled when the
         :func:`record` block ends.
+    mpi_seconds, mpi_cpu_seconds : float
+        With ``record(..., timed=True)``: wall-clock and thread-CPU seconds this rank spent
+        inside MPI calls (transfers, waiting for peers, busy-polling), live during the block.
+        0.0 when not timed.
+    mpi_calls : int
+        The number of MPI calls clocked (0 when not timed).
     """
 
     rank: int
     size: int
     records: list = field(default_factory=list)
+    clock: list | None = field(default=None, repr=False)
+
+    @property
+    def mpi_seconds(self) -> float:
+        return 0.0 if self.clock is None else float(self.clock[0])
+
+    @property
+    def mpi_cpu_seconds(self) -> float:
+        return 0.0 if self.clock is None else float(self.clock[1])
+
+    @property
+    def mpi_calls(self) -> int:
+        return 0 if self.clock is None else int(self.clock[2])
 
     def __len__(self) -> int:
         return len(self.records)
@@ -76,7 +95,7 @@ def _comm_of(obj):
 
 
 @contextlib.contextmanager
-def record(allreducer):
+def record(allreducer, timed: bool = False):
     """Record every message ``allreducer`` sends inside the ``with`` block.
 
     Parameters
@@ -84,6 +103,11 @@ def record(allreducer):
     allreducer : spardl.Allreducer or spardl.comm.Comm
         What to record (its communicator, including SparDL's team sub-communicators, which
         share its accounting).
+    timed : bool, default False
+        Also clock every MPI call (two clock reads per call): the trace's ``mpi_seconds`` and
+        ``mpi_cpu_seconds``. A step's thread-CPU time minus its ``mpi_cpu_seconds`` is the
+        rank's local work (selection, packing, merging), free of waiting and of time other
+        processes held the core.
 
     Yields
     ------
@@ -103,7 +127,7 @@ def record(allreducer):
     """
     comm = _comm_of(allreducer)
     t = Trace(rank=int(comm.rank), size=int(comm.size))
-    comm.start_trace()
+    t.clock = comm.start_trace(timed=True) if timed else comm.start_trace()
     try:
         yield t
     finally:

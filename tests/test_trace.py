@@ -47,7 +47,29 @@ def _child(out: str) -> None:
             path = Path(out).with_suffix(f".{alg}.json")
             tr.save_traces(path, traces, meta={"algorithm": alg, "stats": deltas})
             doc[alg] = str(path)
+    # Timed recording, with SparDL's team sub-communicators (d = 2): every MPI call is clocked.
+    ar = spardl.make("spardl", comm, N, density=DENSITY, teams=2)
+    g = np.random.default_rng(comm.rank).standard_normal(N).astype(np.float32)
+    ar(g)
+    m0, c0 = ar.stats["messages"], ar.stats["control_messages"]
+    with tr.record(ar, timed=True) as t:
+        for _ in range(STEPS):
+            ar(g)
+        live = t.mpi_calls
+    timed = {
+        "calls": t.mpi_calls,
+        "live": live,
+        "wall": t.mpi_seconds,
+        "cpu": t.mpi_cpu_seconds,
+        "messages": ar.stats["messages"] - m0,
+        "control": ar.stats["control_messages"] - c0,
+        "records": len(t),
+    }
+    ar(g)  # after the block: no longer clocked
+    timed["calls_after"] = t.mpi_calls
+    doc_timed = comm.gather(timed, root=0)
     if comm.rank == 0:
+        doc["_timed"] = doc_timed
         Path(out).write_text(json.dumps(doc))
 
 
@@ -59,7 +81,13 @@ def test_recorded_traces_match_stats_and_replay(tmp_path):
     out = tmp_path / "traces.json"
     run_mpi(P, ["tests/test_trace.py", str(out)], timeout=180)
     files = json.loads(out.read_text())
-    assert sorted(files) == sorted(ALGS)
+    timed = files.pop("_timed")
+    assert len(timed) == P
+    for r in timed:  # the clock saw every message (and check) and stopped with the block
+        assert r["records"] == r["messages"] > 0, r
+        assert r["calls"] >= r["messages"] + r["control"], r
+        assert r["live"] == r["calls"] == r["calls_after"], r
+        assert r["wall"] > 0 and r["cpu"] >= 0, r
     for alg, path in files.items():
         traces, meta = tr.load_traces(path)
         assert meta["algorithm"] == alg and len(traces) == P
