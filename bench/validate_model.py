@@ -10,18 +10,33 @@ Run from the repository root (it spawns its own ``mpiexec``)::
    gradient (``bench/allreduce.py``'s generator): ``--warmup`` untimed calls, then ``--repeat``
    timed calls (barrier, ``MPI.Wtime``, the slowest rank's time), recording the message trace
    of the timed calls (:mod:`spardl.trace`).
-3. Predict, without looking at the measured multi-rank times::
+3. Predict, two ways, never fitting anything to the multi-rank wall times. With C cores and
+   s(P) = ⌈P / C⌉, the most ranks any one core runs (Linux keeps a run queue per core and
+   balances task counts, not time: with P = 3 on 2 cores one core runs two ranks for the whole
+   of a 10 ms step, and every synchronising round waits for that core):
 
-       t_pred(P) = s(P) · (t_local + replay(trace; α, β, γ)),   s(P) = max(1, P / cores)
+   (A) a priori::
 
-   * t_local: the same algorithm's step time at P = 1 (measured; nothing is sent, so it is the
-     local work: X = g + E, selection, residual bookkeeping). Every algorithm's local work is
-     dominated by passes over the whole n-vector, which do not shrink with P.
-   * replay: :func:`spardl.cost_model.replay` of the recorded trace with the fitted α, β, γ
-     (the slowest rank's sum over its messages; collectives at ⌈log₂P⌉ or 2⌈log₂P⌉ rounds).
-   * s(P): this machine has few cores; with P ranks on fewer cores the ranks take turns, so
-     every rank's work (compute and shared-memory copies alike) stretches by P / cores. It is
-     the only oversubscription term; it is not fitted.
+       t_A(P) = t_local + s(P) · (replay(trace; α, β, γ) + control)
+
+   * t_local: the same algorithm on ``COMM_SELF``, every rank at once (nothing is sent: the
+     P = 1 code path, under the same memory and core contention).
+   * replay: :func:`spardl.cost_model.replay` of the recorded trace (the slowest rank's sum over
+     its messages; γ prices the merging of what arrives); control: the cross-rank check, one
+     small allreduce per call.
+
+   (B) clocked local work::
+
+       t_B(P) = s(P) · (W_max + replay(trace; α, β, 0) + control)
+
+   * W_max: the largest, over ranks, of a step's thread-CPU time outside MPI calls
+     (``spardl.trace.record(..., timed=True)``): the P-rank code path's own local work
+     (selection, packing, merging), blind to waiting, busy-polling and to the time other ranks
+     held the core. The merges are inside it, hence γ = 0.
+   * What (B) tests: that the step is the local work plus the α-β communication, stretched by
+     the ranks sharing a core; what (A) adds: that the P = 1 local work stands for the P-rank
+     one (it does not: the P-rank path packs, unpacks and merges, and it runs on fewer free
+     cache and memory bandwidth).
 
 Rank 0 of the driver prints one table: measured, predicted, relative error per (algorithm, P).
 """
@@ -30,11 +45,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,16 +113,24 @@ def _worker_measure(a) -> None:
         for _ in range(a.warmup):
             ar(g)
         times = []
+        work = []  # per step: this rank's thread-CPU seconds outside MPI (its local work)
+        mpi_wall = []  # per step: this rank's wall seconds inside MPI calls
         m0 = ar.stats["messages"]
-        with spardl.trace.record(ar) as t:
+        with spardl.trace.record(ar, timed=True) as t:
             for _ in range(a.repeat):
                 comm.Barrier()
+                c0, mc0, mw0 = time.thread_time(), t.mpi_cpu_seconds, t.mpi_seconds
                 t0 = MPI.Wtime()
                 ar(g)
-                times.append(comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX))
+                dt = MPI.Wtime() - t0
+                work.append(time.thread_time() - c0 - (t.mpi_cpu_seconds - mc0))
+                mpi_wall.append(t.mpi_seconds - mw0)
+                times.append(comm.allreduce(dt, op=MPI.MAX))
         msgs = ar.stats["messages"] - m0
         traces = spardl.trace.gather_traces(comm, t)
         counts = comm.allgather(msgs)
+        work = comm.allgather(work)  # [rank][step]
+        mpi_wall = comm.allgather(mpi_wall)
         control = ar.stats["control_messages"]
         del ar
         # The local work alone, under the same contention: every rank runs the algorithm on
@@ -126,6 +151,8 @@ def _worker_measure(a) -> None:
                 "traces": traces,
                 "messages": counts,
                 "local_times": local,
+                "work": work,
+                "mpi_wall": mpi_wall,
                 "control_per_step": control / (a.warmup + a.repeat),
             }
     if comm.rank == 0:
@@ -158,20 +185,41 @@ def predict_rows(fit, measured, cores):
             comm_s += (
                 r["control_per_step"] * cost_model.collective_rounds("allreduce", P) * fit["alpha"]
             )
-            s = max(1.0, P / cores)
+            s = float(math.ceil(P / cores))
             local = float(_median(r["local_times"]))
             pred = local + s * comm_s
             meas = float(_median(r["times"]))
+            row = {
+                "algorithm": alg,
+                "P": P,
+                "measured_s": meas,
+                "predicted_s": pred,
+                "local_s": local,
+                "comm_s": comm_s,
+                "oversubscription": s,
+                "rel_error": (pred - meas) / meas,
+            }
+            if "work" in r:  # the clocked predictor (B)
+                # α-β only: the merges are inside the clocked local work, so no γ term here.
+                comm_ab = cost_model.replay(r["traces"], fit["alpha"], fit["beta"], 0.0)
+                comm_ab += (
+                    r["control_per_step"]
+                    * cost_model.collective_rounds("allreduce", P)
+                    * fit["alpha"]
+                )
+                steps = list(zip(*r["work"], strict=True))  # per step: every rank's work
+                w_max = float(_median([max(w) for w in steps]))
+                pred_b = s * (w_max + comm_ab)
+                row.update(
+                    work_max_s=w_max,
+                    comm_ab_s=comm_ab,
+                    predicted_clocked_s=pred_b,
+                    rel_error_clocked=(pred_b - meas) / meas,
+                    mpi_wall_s=float(sum(_median(v) for v in r["mpi_wall"]) / len(r["mpi_wall"])),
+                )
             out.append(
                 {
-                    "algorithm": alg,
-                    "P": P,
-                    "measured_s": meas,
-                    "predicted_s": pred,
-                    "local_s": local,
-                    "comm_s": comm_s,
-                    "oversubscription": s,
-                    "rel_error": (pred - meas) / meas,
+                    **row,
                     "trace_messages": sum(len(tr) for tr in r["traces"])
                     / P
                     / max(1, len({rec[0] for rec in r["traces"][0]})),
@@ -187,19 +235,63 @@ def _median(v):
 
 
 def _table(rows):
-    lines = [
-        "| algorithm | P | measured (ms) | predicted (ms) | local (ms) | comm (ms) | s(P) "
-        "| error |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    clocked = all("predicted_clocked_s" in r for r in rows)
+    head = (
+        "| algorithm | P | measured (ms) | (A) predicted (ms) | local (ms) | comm (ms) | s(P) "
+        "| (A) error |"
+    )
+    rule = "|---|---|---|---|---|---|---|---|"
+    if clocked:
+        head += " W_max (ms) | α-β comm (ms) | MPI wall (ms) | (B) predicted (ms) | (B) error |"
+        rule += "---|---|---|---|---|"
+    lines = [head, rule]
     for r in sorted(rows, key=lambda r: (r["algorithm"], r["P"])):
-        lines.append(
+        line = (
             f"| {r['algorithm']} | {r['P']} | {r['measured_s'] * 1e3:.1f} | "
             f"{r['predicted_s'] * 1e3:.1f} | {r['local_s'] * 1e3:.1f} | "
             f"{r['comm_s'] * 1e3:.2f} | {r['oversubscription']:.1f} | "
             f"{r['rel_error']:+.0%} |"
         )
+        if clocked:
+            line += (
+                f" {r['work_max_s'] * 1e3:.1f} | "
+                f"{r['comm_ab_s'] * 1e3:.2f} | {r['mpi_wall_s'] * 1e3:.1f} | "
+                f"{r['predicted_clocked_s'] * 1e3:.1f} | {r['rel_error_clocked']:+.0%} |"
+            )
+        lines.append(line)
     return "\n".join(lines)
+
+
+def summary(rows, fit=None) -> list[str]:
+    """Per predictor, the sparse rows within ±30%, the median and worst |error|; the dense
+    rows' worst; and how well the α-β line fits the ping-pong it was fitted to."""
+    out = []
+    for key, label in (("rel_error", "(A) a priori"), ("rel_error_clocked", "(B) clocked work")):
+        errs = [abs(r[key]) for r in rows if key in r and r["algorithm"] in SPARSE]
+        dense = [abs(r[key]) for r in rows if key in r and r["algorithm"] == "dense"]
+        if errs:
+            within = sum(e <= 0.30 for e in errs)
+            out.append(
+                f"# {label}: sparse algorithms within ±30%: {within}/{len(errs)}; "
+                f"median |error| {_median(errs):.0%}; worst {max(errs):.0%}"
+                + (f"; dense worst {max(dense):.0%}" if dense else "")
+            )
+    clocked = [r for r in rows if "comm_ab_s" in r and r["algorithm"] in SPARSE]
+    if clocked:
+        share = [r["comm_ab_s"] / (r["work_max_s"] + r["comm_ab_s"]) for r in clocked]
+        out.append(
+            f"# α-β communication's share of (B) on the sparse rows: median {_median(share):.1%}, "
+            f"largest {max(share):.1%}"
+        )
+    if fit and fit.get("rows"):
+        errs = [(fit["alpha"] + fit["beta"] * m - t) / t for m, t in fit["rows"]]
+        worst = max(range(len(errs)), key=lambda i: abs(errs[i]))
+        out.append(
+            f"# α + β·m vs the ping-pong ({fit['rows'][0][0]} B … {fit['rows'][-1][0]} B): "
+            f"median |error| {_median([abs(e) for e in errs]):.0%}, worst {errs[worst]:+.0%} "
+            f"at {fit['rows'][worst][0]} B"
+        )
+    return out
 
 
 def main(argv=None):
@@ -254,15 +346,11 @@ def main(argv=None):
     )
     print(
         f"# fit: alpha={fit['alpha']:.3e} s, beta={fit['beta']:.3e} s/B, "
-        f"gamma={fit['gamma']:.3e} s/B; s(P) = max(1, P/{cores})"
+        f"gamma={fit['gamma']:.3e} s/B; s(P) = ceil(P/{cores})"
     )
     print(_table(rows))
-    sparse = [r for r in rows if r["algorithm"] in SPARSE]
-    within = sum(abs(r["rel_error"]) <= 0.30 for r in sparse)
-    print(
-        f"# sparse algorithms within ±30%: {within}/{len(sparse)}; "
-        f"median |error| {_median([abs(r['rel_error']) for r in sparse]):.0%}"
-    )
+    for line in summary(rows, fit):
+        print(line)
     try:
         load = os.getloadavg()[0]
         print(f"# load average (1 min) at the end: {load:.1f}")
