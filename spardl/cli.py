@@ -34,10 +34,16 @@ def run_collective(fn, *args) -> int:
     within seconds; :func:`spardl.abort_on_exception`).
     """
     from .comm import abort_on_exception
+    from .train import UsageError
 
     world = _world()
-    with abort_on_exception(world):
-        fn(*args, world)
+    try:
+        with abort_on_exception(world, reraise=UsageError):
+            fn(*args, world)
+    except UsageError as e:  # raised by every rank before any communication: no abort needed
+        if world.Get_rank() == 0:
+            print(f"spardl: error: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
@@ -120,12 +126,16 @@ def add_demo(sub) -> None:
         "density, then the dense allreduce), same seed and epochs, and prints "
         "accuracy, bytes per rank and wall time side by side.",
     )
-    p.add_argument("--world-size", "-n", type=int, default=4, help="P (default: %(default)s)")
-    p.add_argument("--density", type=float, default=0.01, help="default: %(default)s")
-    p.add_argument("--epochs", type=int, default=None, help="default: the train default")
+    from .train import DENSITY, POSITIVE_FLOAT, POSITIVE_INT
+
+    p.add_argument(
+        "--world-size", "-n", type=POSITIVE_INT, default=4, help="P (default: %(default)s)"
+    )
+    p.add_argument("--density", type=DENSITY, default=0.01, help="default: %(default)s")
+    p.add_argument("--epochs", type=POSITIVE_INT, default=None, help="default: the train default")
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     p.add_argument("--out", type=Path, default=Path("runs"), help="default: %(default)s")
-    p.add_argument("--timeout", type=float, default=900, help="per run, seconds")
+    p.add_argument("--timeout", type=POSITIVE_FLOAT, default=900, help="per run, seconds")
     p.set_defaults(func=_cmd_demo)
 
 

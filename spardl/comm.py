@@ -736,7 +736,7 @@ def name_hash(name: str) -> int:
 
 
 @contextlib.contextmanager
-def abort_on_exception(comm, code: int = 1):
+def abort_on_exception(comm, code: int = 1, reraise=()):
     """End the whole job if this rank raises: print the traceback, then ``MPI_Abort``.
 
     An exception on one rank in the middle of a collective otherwise leaves every other rank
@@ -750,6 +750,10 @@ def abort_on_exception(comm, code: int = 1):
         The communicator to abort (all of its processes end).
     code : int, default 1
         The exit status passed to ``MPI_Abort``.
+    reraise : exception type or tuple of them, optional
+        Exceptions that pass through without an abort: only those that every rank raises at
+        the same point, before or outside any collective (option checks made from the options
+        and P alone).
 
     Notes
     -----
@@ -757,6 +761,8 @@ def abort_on_exception(comm, code: int = 1):
     """
     try:
         yield
+    except reraise:
+        raise
     except SystemExit as e:
         if e.code not in (0, None):
             _abort(comm, code)

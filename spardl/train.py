@@ -21,7 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DEFAULTS", "build_model", "load_digits_split", "add_arguments", "run"]
+__all__ = [
+    "DEFAULTS",
+    "UsageError",
+    "build_model",
+    "load_digits_split",
+    "add_arguments",
+    "run",
+]
 
 #: Defaults of the training job, tuned so that SparDL at 1% density on 4 ranks reaches the
 #: dense baseline's accuracy (docs/performance.md, "Training").
@@ -41,8 +48,33 @@ DEFAULTS = {
 }
 
 
+def _checked(kind, ok, what):
+    """An argparse ``type=``: ``kind(text)`` that must satisfy ``ok``, else a usage error
+    (argparse names the option and exits with status 2 on every rank, before MPI is used)."""
+    import argparse
+
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse's "invalid <name> value" wording
+    return parse
+
+
+DENSITY = _checked(float, lambda v: 0 < v <= 1, "a density in (0, 1]")
+POSITIVE_INT = _checked(int, lambda v: v >= 1, "an integer >= 1")
+NONNEGATIVE_INT = _checked(int, lambda v: v >= 0, "an integer >= 0")
+POSITIVE_FLOAT = _checked(float, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
+MOMENTUM = _checked(float, lambda v: 0 <= v < 1, "a momentum in [0, 1)")
+
+
 def add_arguments(p) -> None:
-    """Add the training options to an argparse parser."""
+    """Add the training options to an argparse parser (values range-checked at parse time)."""
     from . import ALGORITHMS
 
     d = DEFAULTS
@@ -54,13 +86,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--density",
-        type=float,
+        type=DENSITY,
         default=d["density"],
         help="ρ, fraction of gradient entries sent (default: %(default)s)",
     )
     p.add_argument(
         "--teams",
-        type=int,
+        type=POSITIVE_INT,
         default=d["teams"],
         help="d, SparDL's number of teams (spardl only; default: %(default)s)",
     )
@@ -70,32 +102,35 @@ def add_arguments(p) -> None:
         default=d["residual"],
         help="error feedback mode (default: %(default)s)",
     )
-    p.add_argument("--epochs", type=int, default=d["epochs"], help="default: %(default)s")
+    p.add_argument("--epochs", type=POSITIVE_INT, default=d["epochs"], help="default: %(default)s")
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=POSITIVE_INT,
         default=d["batch_size"],
         help="per-rank batch size (default: %(default)s)",
     )
     p.add_argument(
         "--lr",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=d["lr"],
         help="peak SGD learning rate, cosine-annealed to 0 (default: %(default)s)",
     )
     p.add_argument(
-        "--momentum", type=float, default=d["momentum"], help="SGD momentum (default: %(default)s)"
+        "--momentum",
+        type=MOMENTUM,
+        default=d["momentum"],
+        help="SGD momentum (default: %(default)s)",
     )
     p.add_argument(
         "--width",
-        type=int,
+        type=POSITIVE_INT,
         default=d["width"],
         help="channels of the first convolution (default: %(default)s)",
     )
     p.add_argument("--seed", type=int, default=d["seed"], help="default: %(default)s")
     p.add_argument(
         "--warmup-steps",
-        type=int,
+        type=NONNEGATIVE_INT,
         default=None,
         help="dense allreduce for the first steps (default: 0 with the reducer, "
         "2 with the DDP hook)",
@@ -121,7 +156,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--stop-after",
-        type=int,
+        type=POSITIVE_INT,
         default=None,
         metavar="EPOCHS",
         help="stop after this many epochs as if interrupted (the schedule still "
@@ -130,19 +165,30 @@ def add_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _check_args(args) -> None:
+class UsageError(ValueError):
+    """An invalid option, found from the options and P alone: the same on every rank, before
+    any communication, so every rank can report it and exit without aborting the job."""
+
+
+def _check_args(args, P: int) -> None:
     for name in ("epochs", "batch_size", "width", "teams"):
         v = getattr(args, name)
         if v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if not (0 < args.density <= 1):
+        raise UsageError(f"--density must be in (0, 1], got {args.density}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+        raise UsageError(f"--lr must be a positive number, got {args.lr}")
     if not 0 <= args.momentum < 1:
-        raise ValueError(f"--momentum must be in [0, 1), got {args.momentum}")
+        raise UsageError(f"--momentum must be in [0, 1), got {args.momentum}")
     if args.stop_after is not None and not 1 <= args.stop_after <= args.epochs:
-        raise ValueError(f"--stop-after must be in [1, --epochs], got {args.stop_after}")
+        raise UsageError(f"--stop-after must be in [1, --epochs], got {args.stop_after}")
     if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+        raise UsageError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if args.algorithm != "spardl" and args.teams != 1:
+        raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
+    if args.algorithm == "spardl" and P % args.teams:
+        raise UsageError(f"--teams must divide the number of ranks P={P}, got {args.teams}")
 
 
 def build_model(width: int = 16):
@@ -230,8 +276,11 @@ def run(args, world) -> dict | None:
 
     Raises
     ------
+    UsageError
+        A subclass of ValueError: an invalid option (a range, or --teams not dividing P), raised
+        on every rank before any communication.
     ValueError, TypeError
-        For invalid options (argument checks, or the allreducer's, on every rank).
+        The allreducer's own checks, on every rank.
     FileNotFoundError
         If ``--resume`` names a checkpoint that does not exist for this rank.
     """
@@ -241,7 +290,7 @@ def run(args, world) -> dict | None:
     from .comm import Comm
     from .torch import SparseGradientReducer, SparseHookState, sparse_allreduce_hook
 
-    _check_args(args)
+    _check_args(args, world.Get_size())
     t_start = time.perf_counter()
     torch.set_num_threads(1)  # P ranks share the machine's cores
     torch.use_deterministic_algorithms(True)
@@ -262,8 +311,6 @@ def run(args, world) -> dict | None:
     options = {"density": args.density, "residual": args.residual}
     if args.algorithm == "spardl":
         options["teams"] = args.teams
-    elif args.teams != 1:
-        raise ValueError(f"--teams applies to --algorithm spardl only, got {args.teams}")
 
     if args.hook == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP

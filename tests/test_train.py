@@ -125,12 +125,21 @@ def test_resume_equals_uninterrupted_bit_for_bit(one_epoch, runs):
         assert [h["loss"] for h in full["history"]] == [h["loss"] for h in res["history"]]
 
 
-def test_bad_argument_fails_every_rank_quickly(runs):
-    proc = run_mpi(
-        2, [*COMMON, "--epochs", "1", "--density", "1.5"], timeout=120, env=ENV, check=False
-    )
-    assert proc.returncode != 0
-    assert "density must be in (0, 1]" in proc.stderr
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--density", "1.5"], "argument --density: must be a density in (0, 1], got 1.5"),
+        (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+        (["--epochs", "x"], "argument --epochs: expected an integer >= 1, got 'x'"),
+        (["--teams", "3"], "--teams must divide the number of ranks P=2, got 3"),
+    ],
+)
+def test_bad_option_is_a_usage_error_on_every_rank(option, message):
+    """Option errors end every rank with status 2 and one line, no traceback, no abort."""
+    proc = run_mpi(2, [*COMMON, "--epochs", "1", *option], timeout=120, env=ENV, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and "MPI_Abort" not in proc.stderr
 
 
 def test_exception_on_one_rank_aborts_the_job():
