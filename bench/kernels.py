@@ -112,6 +112,9 @@ def bench_size(n, repeat, density, torch_threads):
     ri = np.concatenate([r[0] for r in runs])
     rv = np.concatenate([r[1] for r in runs])
     rows["coalesce 8 runs x 20k"] = timeit(lambda: sk.coalesce(ri, rv), repeat)
+    ui = rng.integers(0, 1 << 40, 1_000_000)
+    uv = rng.standard_normal(ui.shape[0]).astype(np.float32)
+    rows["coalesce 1M random"] = timeit(lambda: sk.coalesce(ui, uv), repeat)
 
     ratios = [
         ("select_above / copyto", rows["select_above(x, kth)"] / rows["np.copyto(x)"], "<= 0.75"),

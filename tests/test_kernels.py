@@ -221,9 +221,9 @@ def test_coalesce_of_sorted_runs(data, dtype, runs):
     same_pair(sk.coalesce(idx, vals), ref)
 
 
-@pytest.mark.parametrize("runs", [1, 3, 64, 65, 2000])
-def test_coalesce_run_counts_around_the_switch(runs):
-    """Few runs, the run-merge limit, and many runs (the merge-sort path) agree bit for bit."""
+@pytest.mark.parametrize("runs", [1, 2, 3, 64, 65, 2000])
+def test_coalesce_run_counts(runs):
+    """Odd and even run counts, and many short runs, agree with the reference bit for bit."""
     rng = np.random.default_rng(runs)
     idx = np.concatenate([np.sort(rng.integers(0, 3000, 40)) for _ in range(runs)])
     vals = rng.standard_normal(idx.size).astype(np.float32) * np.float32(1e4)

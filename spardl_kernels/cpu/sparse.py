@@ -320,40 +320,36 @@ def _sum_sorted(idx, val, out_i, out_v):
 
 @njit(**JIT)
 def _coalesce(indices, values):
-    """Stable sort by index, then sum each run in original-position order.
-
-    Inputs made of few ascending runs (concatenated sorted vectors: what an all-gather returns)
-    take a natural merge, O(m log R) for R runs; other inputs a stable merge sort."""
+    """Stable sort by index (a bottom-up natural merge sort: O(m log R) for R ascending runs, so
+    one pass for sorted input and few for concatenated sorted vectors), then sum each run of
+    equal indices in original-position order."""
     n = indices.shape[0]
+    out_i = np.empty(n, indices.dtype)
+    out_v = np.empty(n, values.dtype)
     nruns = 1 if n > 0 else 0
     for i in range(1, n):
         if indices[i] < indices[i - 1]:
             nruns += 1
-    out_i = np.empty(n, indices.dtype)
-    out_v = np.empty(n, values.dtype)
     if nruns <= 1:
         m = _sum_sorted(indices, values, out_i, out_v)
-    elif nruns <= max(64, n // 64):
-        bounds = np.empty(nruns + 1, np.int64)
-        r = 0
-        bounds[0] = 0
-        for i in range(1, n):
-            if indices[i] < indices[i - 1]:
-                r += 1
-                bounds[r] = i
-        bounds[nruns] = n
-        a_i = indices.copy()
-        a_v = values.copy()
-        b_i = np.empty_like(a_i)
-        b_v = np.empty_like(a_v)
-        while nruns > 1:
-            nruns = _merge_runs(a_i, a_v, b_i, b_v, bounds, nruns)
-            a_i, b_i = b_i, a_i
-            a_v, b_v = b_v, a_v
-        m = _sum_sorted(a_i, a_v, out_i, out_v)
-    else:
-        order = np.argsort(indices, kind="mergesort")
-        m = _sum_sorted(indices[order], values[order], out_i, out_v)
+        return out_i[:m].copy(), out_v[:m].copy()
+    bounds = np.empty(nruns + 1, np.int64)
+    r = 0
+    bounds[0] = 0
+    for i in range(1, n):
+        if indices[i] < indices[i - 1]:
+            r += 1
+            bounds[r] = i
+    bounds[nruns] = n
+    a_i = indices.copy()
+    a_v = values.copy()
+    b_i = np.empty_like(a_i)
+    b_v = np.empty_like(a_v)
+    while nruns > 1:
+        nruns = _merge_runs(a_i, a_v, b_i, b_v, bounds, nruns)
+        a_i, b_i = b_i, a_i
+        a_v, b_v = b_v, a_v
+    m = _sum_sorted(a_i, a_v, out_i, out_v)
     return out_i[:m].copy(), out_v[:m].copy()
 
 
@@ -505,10 +501,10 @@ def coalesce(indices, values):
     Notes
     -----
     DESIGN.md §3 kernel contract: coalescing float32 [1e8, 1, -1e8] at one index gives exactly
-    0.0, because (1e8 + 1) rounds to 1e8 in float32. Equal indices stay in position order: an
-    input made of R ascending runs (a concatenation of sorted vectors, what an all-gather
-    returns) is merged run by run in O(m log R); a sorted input is summed in one pass; anything
-    else takes a stable merge sort.
+    0.0, because (1e8 + 1) rounds to 1e8 in float32. Equal indices stay in position order: the
+    sort is a stable bottom-up natural merge, O(m log R) for an input made of R ascending runs
+    (a sorted input is summed in one pass; a concatenation of P sorted vectors, what an
+    all-gather returns, takes ⌈log₂P⌉ merge passes).
     """
     indices = as_indices("indices", indices)
     values = as_values("values", values)
