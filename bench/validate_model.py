@@ -115,7 +115,7 @@ def _worker_measure(a) -> None:
         times = []
         work = []  # per step: this rank's thread-CPU seconds outside MPI (its local work)
         mpi_wall = []  # per step: this rank's wall seconds inside MPI calls
-        m0 = ar.stats["messages"]
+        m0, k0 = ar.stats["messages"], ar.stats["control_messages"]
         with spardl.trace.record(ar, timed=True) as t:
             for _ in range(a.repeat):
                 comm.Barrier()
@@ -131,7 +131,7 @@ def _worker_measure(a) -> None:
         counts = comm.allgather(msgs)
         work = comm.allgather(work)  # [rank][step]
         mpi_wall = comm.allgather(mpi_wall)
-        control = ar.stats["control_messages"]
+        control = ar.stats["control_messages"] - k0  # the timed calls' cross-rank checks
         del ar
         # The local work alone, under the same contention: every rank runs the algorithm on
         # COMM_SELF at the same time (nothing is sent; the world barrier only aligns starts).
@@ -153,7 +153,7 @@ def _worker_measure(a) -> None:
                 "local_times": local,
                 "work": work,
                 "mpi_wall": mpi_wall,
-                "control_per_step": control / (a.warmup + a.repeat),
+                "control_per_step": control / a.repeat,
             }
     if comm.rank == 0:
         Path(a.out).write_text(json.dumps({"P": comm.size, "rows": rows}))
@@ -161,12 +161,19 @@ def _worker_measure(a) -> None:
 
 # -- driver ----------------------------------------------------------------------------------
 def _parse_P(text):
+    """World sizes from "1-8", "2,4,8" or "3"; ValueError on anything else."""
     # No spardl import here: importing it initialises MPI in this (driver) process, whose PMI
     # environment the spawned mpiexec jobs would inherit and hang on.
     out = []
     for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out += list(range(int(lo), int(hi or lo) + 1))
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            lo, hi = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise ValueError(f"--P must be sizes like 1-8 or 2,4,8, got {text!r}") from None
+        if lo < 1 or hi < lo:
+            raise ValueError(f"--P ranges must satisfy 1 <= low <= high, got {part!r}")
+        out += list(range(lo, hi + 1))
     return out
 
 
@@ -262,6 +269,17 @@ def _table(rows):
     return "\n".join(lines)
 
 
+def alone_line(measured) -> str:
+    """Each algorithm's step at P = 1 (nothing sent: its local work alone, one rank)."""
+    ones = measured.get(1, {}).get("rows", {})
+    cells = [
+        f"{alg} {_median(r['times']) * 1e3:.1f} ms (W {_median(r['work'][0]) * 1e3:.1f})"
+        for alg, r in sorted(ones.items())
+        if "work" in r
+    ]
+    return "P = 1 step (W: its local work): " + ", ".join(cells)
+
+
 def summary(rows, fit=None) -> list[str]:
     """Per predictor, the sparse rows within ±30%, the median and worst |error|; the dense
     rows' worst; and how well the α-β line fits the ping-pong it was fitted to."""
@@ -314,7 +332,12 @@ def main(argv=None):
         a.out = a.worker_out
         return _worker_measure(a)
 
-    Ps = sorted(set(_parse_P(a.P)) | {1})
+    try:
+        Ps = sorted(set(_parse_P(a.P)) | {1})
+    except ValueError as e:
+        ap.error(str(e))
+    if a.repeat < 1 or a.warmup < 0:
+        ap.error(f"--repeat must be >= 1 and --warmup >= 0, got {a.repeat}, {a.warmup}")
     cores = _cores()
     me = str(Path(__file__).resolve())
     with tempfile.TemporaryDirectory() as tmp:
@@ -351,6 +374,7 @@ def main(argv=None):
     print(_table(rows))
     for line in summary(rows, fit):
         print(line)
+    print("# " + alone_line(measured))
     try:
         load = os.getloadavg()[0]
         print(f"# load average (1 min) at the end: {load:.1f}")

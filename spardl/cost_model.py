@@ -453,8 +453,8 @@ def predict(
 
 def _check_rates(alpha, beta, gamma):
     for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
 _KINDS = ("p2p", "allgather", "allgatherv", "bcast", "allreduce")

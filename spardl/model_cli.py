@@ -15,6 +15,7 @@ Examples::
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 __all__ = [
@@ -164,7 +165,12 @@ def project(
                     "best": False,
                 }
             )
-        min(here, key=lambda r: r["seconds"])["best"] = True
+        if any(not math.isfinite(r["seconds"]) for r in here):
+            raise ValueError(
+                f"the prediction at P={P} is not finite (alpha, beta or gamma too large)"
+            )
+        if any(r["seconds"] > 0 for r in here):  # at P = 1 nothing is sent: no cheapest
+            min(here, key=lambda r: r["seconds"])["best"] = True
         rows += here
     return rows
 
@@ -195,6 +201,24 @@ def _table(rows) -> str:
         cells.append(str(by[("spardl", P)]["teams"]) if ("spardl", P) in by else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _check_plot_path(path) -> None:
+    """Raise ValueError unless matplotlib can write ``path`` (checked before any work)."""
+    from pathlib import Path
+
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    p = Path(path)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if p.is_dir():
+        raise ValueError(f"--plot must be a file name, got the directory {path}")
+    if p.suffix.lstrip(".").lower() not in formats:
+        raise ValueError(
+            f"--plot must end in one of {', '.join('.' + f for f in sorted(formats))}, got {path}"
+        )
+    if not p.parent.is_dir():
+        raise ValueError(f"--plot: the directory {p.parent} does not exist")
 
 
 def _plot(rows, path, title):
@@ -290,7 +314,7 @@ def model_main(args) -> int:
         n = args.n if args.n is not None else MODELS[args.model]
         if n < 1:
             raise ValueError(f"--n must be >= 1, got {n}")
-        algs = [a for a in args.algorithms.split(",") if a]
+        algs = list(dict.fromkeys(a for a in args.algorithms.split(",") if a))
         unknown = [a for a in algs if a not in FORMULAS]
         if unknown or not algs:
             raise ValueError(f"--algorithms: unknown {unknown}; known: {sorted(FORMULAS)}")
@@ -305,6 +329,8 @@ def model_main(args) -> int:
                     if label == args.network
                     else f"{args.network} (alpha, beta overridden)"
                 )
+        if args.plot:
+            _check_plot_path(args.plot)
         rows = project(
             n, args.density, Ps, net["alpha"], net["beta"], args.gamma, algs, label, args.sag_budget
         )

@@ -81,6 +81,30 @@ def test_model_overrides_plot_and_errors(tmp_path):
     assert bad.returncode == 2 and "--P" in bad.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--alpha", "inf"], "alpha must be a finite number >= 0"),
+        (["--alpha", "1e308", "--beta", "1e308", "--P", "4096"], "not finite"),
+        (["--plot", "{tmp}/missing/x.png"], "does not exist"),
+        (["--plot", "{tmp}/x.xyz"], "--plot must end in one of"),
+        (["--plot", "{tmp}"], "--plot must be a file name"),
+    ],
+)
+def test_model_rejects_what_it_cannot_print_or_plot(tmp_path, args, message):
+    """Exit status 2 and one line, before anything is written (JSON never holds inf/NaN)."""
+    proc = _model(*(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+
+
+def test_model_repeated_algorithm_and_P_1():
+    rows = json.loads(_model("--P", "1,4", "--algorithms", "spardl,spardl,dense", "--json").stdout)
+    assert [(r["algorithm"], r["P"]) for r in rows].count(("spardl", 4)) == 1
+    assert not any(r["best"] for r in rows if r["P"] == 1)  # nothing is sent: no cheapest
+    assert sum(r["best"] for r in rows if r["P"] == 4) == 1
+
+
 def test_parse_P_and_teams():
     assert parse_P("2-16") == [2, 4, 8, 16]
     assert parse_P("3-20") == [3, 4, 8, 16, 20]
