@@ -26,7 +26,28 @@ def _world():
     return MPI.COMM_WORLD
 
 
-def run_collective(fn, *args) -> int:
+def launcher_rank() -> int | None:
+    """This process's rank as the MPI launcher set it in the environment (MPICH/Hydra, Open MPI,
+    PMIx, Slurm), without initialising MPI; None when not launched by one."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        v = os.environ.get(var)
+        if v is not None and v.strip().isdigit():
+            return int(v)
+    return None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but under an MPI launcher a usage error is one line, printed by rank 0 only
+    (every rank still exits with status 2 before MPI is used)."""
+
+    def error(self, message):
+        rank = launcher_rank()
+        if rank is None:
+            super().error(message)
+        self.exit(2, f"{self.prog}: error: {message}\n" if rank == 0 else None)
+
+
+def run_collective(fn, *args, prog: str = "spardl") -> int:
     """Run ``fn(*args, world)`` on every rank; an exception on any rank ends the whole job.
 
     Under ``mpiexec`` a rank that raises would leave the others blocked in their next collective,
@@ -42,7 +63,7 @@ def run_collective(fn, *args) -> int:
             fn(*args, world)
     except UsageError as e:  # raised by every rank before any communication: no abort needed
         if world.Get_rank() == 0:
-            print(f"spardl: error: {e}", file=sys.stderr, flush=True)
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0
 
@@ -66,7 +87,7 @@ def add_train(sub) -> None:
 def _cmd_train(args) -> int:
     from . import train
 
-    return run_collective(train.run, args)
+    return run_collective(train.run, args, prog="spardl train")
 
 
 # -- demo --------------------------------------------------------------------------------------
@@ -111,7 +132,7 @@ def launch_train(world_size: int, train_args: list[str], timeout: float) -> floa
     try:
         proc = subprocess.run(cmd, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"training job timed out after {timeout:.0f} s") from e
+        raise RuntimeError(f"training job timed out after {timeout:g} s") from e
     if proc.returncode != 0:
         raise RuntimeError(f"training job exited with code {proc.returncode}")
     return time.perf_counter() - t0
@@ -309,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``spardl`` parser with every subcommand of :data:`COMMANDS`."""
     import spardl
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="spardl",
         description="Sparse gradient allreduce (SparDL, Ok-Topk and peers) over MPI.",
     )

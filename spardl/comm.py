@@ -463,6 +463,11 @@ class Comm:
         finally:
             self._acct.phase = prev
 
+    @property
+    def tracing(self) -> bool:
+        """Whether a trace is being recorded on this communicator (or one it shares state with)."""
+        return self._acct.trace is not None
+
     def start_trace(self, timed: bool = False) -> list | None:
         """Record every message as (step, phase, kind, peer, bytes) from now on.
 

@@ -119,13 +119,18 @@ def record(allreducer, timed: bool = False):
     ------
     TypeError
         If ``allreducer`` has no spardl communicator.
+    RuntimeError
+        If a recording is already running on it (recordings do not nest).
 
     Notes
     -----
-    Local: no message is sent to start or stop recording. Only one recording per communicator
-    at a time (starting one discards a recording in progress).
+    Local: no message is sent to start or stop recording.
     """
     comm = _comm_of(allreducer)
+    if getattr(comm, "tracing", False):
+        raise RuntimeError(
+            "record(): a recording is already running on this allreducer; recordings do not nest"
+        )
     t = Trace(rank=int(comm.rank), size=int(comm.size))
     t.clock = comm.start_trace(timed=True) if timed else comm.start_trace()
     try:

@@ -182,13 +182,39 @@ def _check_args(args, P: int) -> None:
     if not 0 <= args.momentum < 1:
         raise UsageError(f"--momentum must be in [0, 1), got {args.momentum}")
     if args.stop_after is not None and not 1 <= args.stop_after <= args.epochs:
-        raise UsageError(f"--stop-after must be in [1, --epochs], got {args.stop_after}")
+        raise UsageError(
+            f"--stop-after must be in [1, --epochs={args.epochs}], got {args.stop_after}"
+        )
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise UsageError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.algorithm != "spardl" and args.teams != 1:
         raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
     if args.algorithm == "spardl" and P % args.teams:
         raise UsageError(f"--teams must divide the number of ranks P={P}, got {args.teams}")
+
+
+def _check_paths(args, job) -> None:
+    """Collective: every file option usable on every rank, else UsageError on every rank.
+
+    Checked before training so that a typo ends the job at once, not at the first checkpoint or
+    after the last epoch: ``--resume`` exists for this rank, the directories of ``--out``
+    (rank 0 writes it) and ``--checkpoint`` (every rank writes its own file) can be made.
+    """
+    problem = None
+    try:
+        if args.resume is not None and not _ckpt_path(args.resume, job.rank).exists():
+            problem = f"--resume: no checkpoint {_ckpt_path(args.resume, job.rank)}"
+        elif args.out is not None and job.rank == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+        if problem is None and args.checkpoint is not None:
+            args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        problem = f"cannot create a directory for --out or --checkpoint: {e}"
+    problems = job.allgather_object(problem)
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if bad:
+        r, p = bad[0]
+        raise UsageError(f"{p} (rank {r}" + (f" and {len(bad) - 1} more)" if len(bad) > 1 else ")"))
 
 
 def build_model(width: int = 16):
@@ -281,8 +307,9 @@ def run(args, world) -> dict | None:
         on every rank before any communication.
     ValueError, TypeError
         The allreducer's own checks, on every rank.
-    FileNotFoundError
-        If ``--resume`` names a checkpoint that does not exist for this rank.
+    UsageError
+        Also (collectively, on every rank) if ``--resume`` names a checkpoint missing on some
+        rank, or the directory of ``--out`` or ``--checkpoint`` cannot be made.
     """
     import torch
     import torch.nn.functional as F
@@ -296,6 +323,7 @@ def run(args, world) -> dict | None:
     torch.use_deterministic_algorithms(True)
     job = Comm(world)  # the job's own small collectives, kept out of the allreducer's counters
     rank, P = job.rank, job.size
+    _check_paths(args, job)
 
     x_tr, y_tr, x_te, y_te = load_digits_split(args.seed, DEFAULTS["test_fraction"])
     shard = np.arange(rank, len(x_tr), P)  # rank r trains on samples r, r+P, ...

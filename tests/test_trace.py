@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mpirun import run_mpi
 
@@ -123,6 +124,20 @@ def test_record_needs_an_allreducer():
 
     with pytest.raises(TypeError, match="allreducer"), tr.record(object()):
         pass
+
+
+def test_recordings_do_not_nest():
+    from mpi4py import MPI
+
+    import spardl
+    import spardl.trace as tr
+
+    ar = spardl.make("topka", MPI.COMM_SELF, 100, density=0.1)
+    with tr.record(ar) as outer:
+        with pytest.raises(RuntimeError, match="do not nest"), tr.record(ar):
+            pass
+        ar(np.ones(100, np.float32))
+    assert not ar.comm.tracing and len(outer) == 0  # P = 1 sends nothing, but it was recording
 
 
 def test_load_rejects_other_files(tmp_path):

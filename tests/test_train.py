@@ -132,14 +132,21 @@ def test_resume_equals_uninterrupted_bit_for_bit(one_epoch, runs):
         (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
         (["--epochs", "x"], "argument --epochs: expected an integer >= 1, got 'x'"),
         (["--teams", "3"], "--teams must divide the number of ranks P=2, got 3"),
+        (["--resume", "{tmp}/none"], "--resume: no checkpoint"),
+        (["--out", "{tmp}/file/out"], "cannot create a directory for --out"),
     ],
 )
-def test_bad_option_is_a_usage_error_on_every_rank(option, message):
-    """Option errors end every rank with status 2 and one line, no traceback, no abort."""
+def test_bad_option_is_a_usage_error_on_every_rank(tmp_path, option, message):
+    """Option errors end every rank with status 2 and one line, no traceback, no abort; file
+    options are checked before the first epoch."""
+    (tmp_path / "file").write_text("a file where --out wants a directory")
+    option = [o.replace("{tmp}", str(tmp_path)) for o in option]
     proc = run_mpi(2, [*COMMON, "--epochs", "1", *option], timeout=120, env=ENV, check=False)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
-    assert "Traceback" not in proc.stderr and "MPI_Abort" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line, from rank 0
+    assert proc.stderr.startswith("spardl train: error: ")
+    assert "epoch" not in proc.stdout  # nothing trained
 
 
 def test_exception_on_one_rank_aborts_the_job():
