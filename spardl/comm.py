@@ -394,7 +394,7 @@ class Comm:
 
     def __init__(self, mpi_comm, *, dup: bool = True, _acct: _Accounting | None = None):
         if isinstance(mpi_comm, Comm):
-            mpi_comm = mpi_comm.mpi
+            mpi_comm = mpi_comm._mpi
         if not isinstance(mpi_comm, MPI.Intracomm):
             raise TypeError(
                 f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), "

@@ -140,6 +140,24 @@ def test_recordings_do_not_nest():
     assert not ar.comm.tracing and len(outer) == 0  # P = 1 sends nothing, but it was recording
 
 
+def test_timed_recording_on_one_process():
+    """The clock counts this Comm's MPI calls; a Comm built from it meanwhile is a plain one."""
+    from mpi4py import MPI
+
+    import spardl.trace as tr
+    from spardl.comm import Comm
+
+    c = Comm(MPI.COMM_SELF)
+    with tr.record(c, timed=True) as t:
+        other = Comm(c)  # wraps the real communicator, not the timing proxy
+        out = c.allreduce(np.arange(3.0))
+        assert t.mpi_calls == 1 and t.mpi_seconds > 0
+    assert out.tolist() == [0.0, 1.0, 2.0] and len(t) == 1
+    assert isinstance(other.mpi, MPI.Intracomm) and not c.tracing
+    other.free()
+    c.free()
+
+
 def test_load_rejects_other_files(tmp_path):
     import spardl.trace as tr
 
