@@ -29,6 +29,7 @@ if not (SIM or cuda.is_available()):
     )
 
 import naive  # noqa: E402
+from cudasim_launch import use_small_launches  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from numba import int64  # noqa: E402
@@ -109,12 +110,7 @@ def _fast_simulator_threads():
 
 @pytest.fixture(autouse=True)
 def small_launches(monkeypatch):
-    monkeypatch.setattr(config, "CUDA_THREADS_PER_BLOCK", 32)
-    monkeypatch.setattr(config, "CUDA_HIST_THREADS_PER_BLOCK", 32)
-    monkeypatch.setattr(config, "CUDA_ITEMS_PER_THREAD", 2)
-    monkeypatch.setattr(config, "CUDA_MAX_BLOCKS", 3)
-    monkeypatch.setattr(config, "CUDA_RADIX_BITS", 4)
-    monkeypatch.setattr(config, "CUDA_SORT_RADIX_BITS", 4)
+    use_small_launches(monkeypatch)
 
 
 def dev(a):

@@ -21,12 +21,12 @@ cuda = pytest.importorskip("numba.cuda")
 if not (SIM or cuda.is_available()):
     pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 or a CUDA GPU", allow_module_level=True)
 
+from cudasim_launch import use_small_launches  # noqa: E402
 from mpiutil import conservation_error  # noqa: E402
 
 import spardl  # noqa: E402
 from spardl import _arrays as A  # noqa: E402
 from spardl import comm as C  # noqa: E402
-from spardl_kernels import config  # noqa: E402
 
 N = 40
 STEPS = 2
@@ -40,13 +40,7 @@ STEPS = 2
 
 @pytest.fixture(autouse=True)
 def small_launches(monkeypatch):
-    # The settings of tests/test_cuda_kernels.py: n = 40 spans several blocks and tiles.
-    monkeypatch.setattr(config, "CUDA_THREADS_PER_BLOCK", 32)
-    monkeypatch.setattr(config, "CUDA_HIST_THREADS_PER_BLOCK", 32)
-    monkeypatch.setattr(config, "CUDA_ITEMS_PER_THREAD", 2)
-    monkeypatch.setattr(config, "CUDA_MAX_BLOCKS", 3)
-    monkeypatch.setattr(config, "CUDA_RADIX_BITS", 4)
-    monkeypatch.setattr(config, "CUDA_SORT_RADIX_BITS", 4)
+    use_small_launches(monkeypatch)
 
 
 def bits(a):
