@@ -63,6 +63,7 @@ def _checked(kind, ok, what):
         return v
 
     parse.__name__ = kind.__name__  # argparse's "invalid <name> value" wording
+    parse.ok, parse.what = ok, what
     return parse
 
 
@@ -71,6 +72,21 @@ POSITIVE_INT = _checked(int, lambda v: v >= 1, "an integer >= 1")
 NONNEGATIVE_INT = _checked(int, lambda v: v >= 0, "an integer >= 0")
 POSITIVE_FLOAT = _checked(float, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
 MOMENTUM = _checked(float, lambda v: 0 <= v < 1, "a momentum in [0, 1)")
+
+#: The range-checked options (argparse dest -> type): the parser's types, and what run() checks
+#: again for a Namespace built without the parser. None is allowed for the optional ones.
+_RANGED = {
+    "density": DENSITY,
+    "teams": POSITIVE_INT,
+    "epochs": POSITIVE_INT,
+    "batch_size": POSITIVE_INT,
+    "lr": POSITIVE_FLOAT,
+    "momentum": MOMENTUM,
+    "width": POSITIVE_INT,
+    "warmup_steps": NONNEGATIVE_INT,
+    "stop_after": POSITIVE_INT,
+}
+_OPTIONAL = ("warmup_steps", "stop_after")
 
 
 def add_arguments(p) -> None:
@@ -86,13 +102,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--density",
-        type=DENSITY,
+        type=_RANGED["density"],
         default=d["density"],
         help="ρ, fraction of gradient entries sent (default: %(default)s)",
     )
     p.add_argument(
         "--teams",
-        type=POSITIVE_INT,
+        type=_RANGED["teams"],
         default=d["teams"],
         help="d, SparDL's number of teams (spardl only; default: %(default)s)",
     )
@@ -102,35 +118,37 @@ def add_arguments(p) -> None:
         default=d["residual"],
         help="error feedback mode (default: %(default)s)",
     )
-    p.add_argument("--epochs", type=POSITIVE_INT, default=d["epochs"], help="default: %(default)s")
+    p.add_argument(
+        "--epochs", type=_RANGED["epochs"], default=d["epochs"], help="default: %(default)s"
+    )
     p.add_argument(
         "--batch-size",
-        type=POSITIVE_INT,
+        type=_RANGED["batch_size"],
         default=d["batch_size"],
         help="per-rank batch size (default: %(default)s)",
     )
     p.add_argument(
         "--lr",
-        type=POSITIVE_FLOAT,
+        type=_RANGED["lr"],
         default=d["lr"],
         help="peak SGD learning rate, cosine-annealed to 0 (default: %(default)s)",
     )
     p.add_argument(
         "--momentum",
-        type=MOMENTUM,
+        type=_RANGED["momentum"],
         default=d["momentum"],
         help="SGD momentum (default: %(default)s)",
     )
     p.add_argument(
         "--width",
-        type=POSITIVE_INT,
+        type=_RANGED["width"],
         default=d["width"],
         help="channels of the first convolution (default: %(default)s)",
     )
     p.add_argument("--seed", type=int, default=d["seed"], help="default: %(default)s")
     p.add_argument(
         "--warmup-steps",
-        type=NONNEGATIVE_INT,
+        type=_RANGED["warmup_steps"],
         default=None,
         help="dense allreduce for the first steps (default: 0 with the reducer, "
         "2 with the DDP hook)",
@@ -156,7 +174,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--stop-after",
-        type=POSITIVE_INT,
+        type=_RANGED["stop_after"],
         default=None,
         metavar="EPOCHS",
         help="stop after this many epochs as if interrupted (the schedule still "
@@ -171,22 +189,14 @@ class UsageError(ValueError):
 
 
 def _check_args(args, P: int) -> None:
-    for name in ("epochs", "batch_size", "width", "teams"):
+    for name, kind in _RANGED.items():
         v = getattr(args, name)
-        if v < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if not (0 < args.density <= 1):
-        raise UsageError(f"--density must be in (0, 1], got {args.density}")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise UsageError(f"--lr must be a positive number, got {args.lr}")
-    if not 0 <= args.momentum < 1:
-        raise UsageError(f"--momentum must be in [0, 1), got {args.momentum}")
-    if args.stop_after is not None and not 1 <= args.stop_after <= args.epochs:
+        if not (v is None and name in _OPTIONAL) and not kind.ok(v):
+            raise UsageError(f"--{name.replace('_', '-')} must be {kind.what}, got {v}")
+    if args.stop_after is not None and args.stop_after > args.epochs:
         raise UsageError(
             f"--stop-after must be in [1, --epochs={args.epochs}], got {args.stop_after}"
         )
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise UsageError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.algorithm != "spardl" and args.teams != 1:
         raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
     if args.algorithm == "spardl" and P % args.teams:
@@ -202,8 +212,9 @@ def _check_paths(args, job) -> None:
     """
     problem = None
     try:
-        if args.resume is not None and not _ckpt_path(args.resume, job.rank).exists():
-            problem = f"--resume: no checkpoint {_ckpt_path(args.resume, job.rank)}"
+        resume = None if args.resume is None else _ckpt_path(args.resume, job.rank)
+        if resume is not None and not resume.exists():
+            problem = f"--resume: no checkpoint {resume}"
         elif args.out is not None and job.rank == 0:
             args.out.mkdir(parents=True, exist_ok=True)
         if problem is None and args.checkpoint is not None:
@@ -303,13 +314,11 @@ def run(args, world) -> dict | None:
     Raises
     ------
     UsageError
-        A subclass of ValueError: an invalid option (a range, or --teams not dividing P), raised
-        on every rank before any communication.
+        A subclass of ValueError, on every rank before training: an option out of range,
+        ``--teams`` not dividing P, or (checked collectively) a ``--resume`` checkpoint missing
+        on some rank or an ``--out`` / ``--checkpoint`` directory that cannot be made.
     ValueError, TypeError
         The allreducer's own checks, on every rank.
-    UsageError
-        Also (collectively, on every rank) if ``--resume`` names a checkpoint missing on some
-        rank, or the directory of ``--out`` or ``--checkpoint`` cannot be made.
     """
     import torch
     import torch.nn.functional as F
@@ -364,10 +373,7 @@ def run(args, world) -> dict | None:
     history: list[dict] = []
     start_epoch = 0
     if args.resume is not None:
-        path = _ckpt_path(args.resume, rank)
-        if not path.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint {path}")
-        ck = torch.load(path, weights_only=False)
+        ck = torch.load(_ckpt_path(args.resume, rank), weights_only=False)  # exists: _check_paths
         if (ck["world_size"], ck["algorithm"]) != (P, args.algorithm):
             raise ValueError(
                 f"--resume: checkpoint is for P={ck['world_size']}, {ck['algorithm']}; "
