@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -186,16 +187,22 @@ def predict_rows(fit, measured, cores):
         if P == 1:
             continue
         for alg, r in measured[P]["rows"].items():
-            comm_s = cost_model.replay(r["traces"], fit["alpha"], fit["beta"], fit["gamma"])
             # The base class's cross-rank check: one small allreduce per call (not a data
             # message, so not in the trace), at its algorithmic latency.
-            comm_s += (
+            control_s = (
                 r["control_per_step"] * cost_model.collective_rounds("allreduce", P) * fit["alpha"]
             )
+            comm_s = cost_model.replay(r["traces"], fit["alpha"], fit["beta"], fit["gamma"])
+            comm_s += control_s
+            # (B): α-β only; the merges are inside the clocked local work, so no γ term here.
+            comm_ab = cost_model.replay(r["traces"], fit["alpha"], fit["beta"], 0.0) + control_s
             s = float(math.ceil(P / cores))
-            local = float(_median(r["local_times"]))
+            local = float(median(r["local_times"]))
             pred = local + s * comm_s
-            meas = float(_median(r["times"]))
+            steps = list(zip(*r["work"], strict=True))  # per step: every rank's work
+            w_max = float(median([max(w) for w in steps]))
+            pred_b = s * (w_max + comm_ab)
+            meas = float(median(r["times"]))
             row = {
                 "algorithm": alg,
                 "P": P,
@@ -205,67 +212,36 @@ def predict_rows(fit, measured, cores):
                 "comm_s": comm_s,
                 "oversubscription": s,
                 "rel_error": (pred - meas) / meas,
+                "work_max_s": w_max,
+                "comm_ab_s": comm_ab,
+                "predicted_clocked_s": pred_b,
+                "rel_error_clocked": (pred_b - meas) / meas,
+                "mpi_wall_s": float(sum(median(v) for v in r["mpi_wall"]) / len(r["mpi_wall"])),
+                "trace_messages": sum(len(tr) for tr in r["traces"])
+                / P
+                / max(1, len({rec[0] for rec in r["traces"][0]})),
+                "stats_messages": sum(r["messages"]) / P / len(r["times"]),
             }
-            if "work" in r:  # the clocked predictor (B)
-                # α-β only: the merges are inside the clocked local work, so no γ term here.
-                comm_ab = cost_model.replay(r["traces"], fit["alpha"], fit["beta"], 0.0)
-                comm_ab += (
-                    r["control_per_step"]
-                    * cost_model.collective_rounds("allreduce", P)
-                    * fit["alpha"]
-                )
-                steps = list(zip(*r["work"], strict=True))  # per step: every rank's work
-                w_max = float(_median([max(w) for w in steps]))
-                pred_b = s * (w_max + comm_ab)
-                row.update(
-                    work_max_s=w_max,
-                    comm_ab_s=comm_ab,
-                    predicted_clocked_s=pred_b,
-                    rel_error_clocked=(pred_b - meas) / meas,
-                    mpi_wall_s=float(sum(_median(v) for v in r["mpi_wall"]) / len(r["mpi_wall"])),
-                )
-            out.append(
-                {
-                    **row,
-                    "trace_messages": sum(len(tr) for tr in r["traces"])
-                    / P
-                    / max(1, len({rec[0] for rec in r["traces"][0]})),
-                    "stats_messages": sum(r["messages"]) / P / len(r["times"]),
-                }
-            )
+            out.append(row)
     return out
 
 
-def _median(v):
-    v = sorted(v)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
-
 def _table(rows):
-    clocked = all("predicted_clocked_s" in r for r in rows)
-    head = (
+    lines = [
         "| algorithm | P | measured (ms) | (A) predicted (ms) | local (ms) | comm (ms) | s(P) "
-        "| (A) error |"
-    )
-    rule = "|---|---|---|---|---|---|---|---|"
-    if clocked:
-        head += " W_max (ms) | α-β comm (ms) | MPI wall (ms) | (B) predicted (ms) | (B) error |"
-        rule += "---|---|---|---|---|"
-    lines = [head, rule]
+        "| (A) error | W_max (ms) | α-β comm (ms) | MPI wall (ms) | (B) predicted (ms) "
+        "| (B) error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(rows, key=lambda r: (r["algorithm"], r["P"])):
-        line = (
+        lines.append(
             f"| {r['algorithm']} | {r['P']} | {r['measured_s'] * 1e3:.1f} | "
             f"{r['predicted_s'] * 1e3:.1f} | {r['local_s'] * 1e3:.1f} | "
             f"{r['comm_s'] * 1e3:.2f} | {r['oversubscription']:.1f} | "
-            f"{r['rel_error']:+.0%} |"
+            f"{r['rel_error']:+.0%} | {r['work_max_s'] * 1e3:.1f} | "
+            f"{r['comm_ab_s'] * 1e3:.2f} | {r['mpi_wall_s'] * 1e3:.1f} | "
+            f"{r['predicted_clocked_s'] * 1e3:.1f} | {r['rel_error_clocked']:+.0%} |"
         )
-        if clocked:
-            line += (
-                f" {r['work_max_s'] * 1e3:.1f} | "
-                f"{r['comm_ab_s'] * 1e3:.2f} | {r['mpi_wall_s'] * 1e3:.1f} | "
-                f"{r['predicted_clocked_s'] * 1e3:.1f} | {r['rel_error_clocked']:+.0%} |"
-            )
-        lines.append(line)
     return "\n".join(lines)
 
 
@@ -273,9 +249,8 @@ def alone_line(measured) -> str:
     """Each algorithm's step at P = 1 (nothing sent: its local work alone, one rank)."""
     ones = measured.get(1, {}).get("rows", {})
     cells = [
-        f"{alg} {_median(r['times']) * 1e3:.1f} ms (W {_median(r['work'][0]) * 1e3:.1f})"
+        f"{alg} {median(r['times']) * 1e3:.1f} ms (W {median(r['work'][0]) * 1e3:.1f})"
         for alg, r in sorted(ones.items())
-        if "work" in r
     ]
     return "P = 1 step (W: its local work): " + ", ".join(cells)
 
@@ -291,14 +266,14 @@ def summary(rows, fit=None) -> list[str]:
             within = sum(e <= 0.30 for e in errs)
             out.append(
                 f"# {label}: sparse algorithms within ±30%: {within}/{len(errs)}; "
-                f"median |error| {_median(errs):.0%}; worst {max(errs):.0%}"
+                f"median |error| {median(errs):.0%}; worst {max(errs):.0%}"
                 + (f"; dense worst {max(dense):.0%}" if dense else "")
             )
     clocked = [r for r in rows if "comm_ab_s" in r and r["algorithm"] in SPARSE]
     if clocked:
         share = [r["comm_ab_s"] / (r["work_max_s"] + r["comm_ab_s"]) for r in clocked]
         out.append(
-            f"# α-β communication's share of (B) on the sparse rows: median {_median(share):.1%}, "
+            f"# α-β communication's share of (B) on the sparse rows: median {median(share):.1%}, "
             f"largest {max(share):.1%}"
         )
     if fit and fit.get("rows"):
@@ -306,7 +281,7 @@ def summary(rows, fit=None) -> list[str]:
         worst = max(range(len(errs)), key=lambda i: abs(errs[i]))
         out.append(
             f"# α + β·m vs the ping-pong ({fit['rows'][0][0]} B … {fit['rows'][-1][0]} B): "
-            f"median |error| {_median([abs(e) for e in errs]):.0%}, worst {errs[worst]:+.0%} "
+            f"median |error| {median([abs(e) for e in errs]):.0%}, worst {errs[worst]:+.0%} "
             f"at {fit['rows'][worst][0]} B"
         )
     return out
