@@ -326,21 +326,17 @@ def _coalesce(indices, values):
     n = indices.shape[0]
     out_i = np.empty(n, indices.dtype)
     out_v = np.empty(n, values.dtype)
+    bounds = np.empty(n + 1, np.int64)  # bounds[r]: where ascending run r starts
+    bounds[0] = 0
     nruns = 1 if n > 0 else 0
     for i in range(1, n):
         if indices[i] < indices[i - 1]:
+            bounds[nruns] = i
             nruns += 1
+    bounds[nruns] = n
     if nruns <= 1:
         m = _sum_sorted(indices, values, out_i, out_v)
         return out_i[:m].copy(), out_v[:m].copy()
-    bounds = np.empty(nruns + 1, np.int64)
-    r = 0
-    bounds[0] = 0
-    for i in range(1, n):
-        if indices[i] < indices[i - 1]:
-            r += 1
-            bounds[r] = i
-    bounds[nruns] = n
     a_i = indices.copy()
     a_v = values.copy()
     b_i = np.empty_like(a_i)
