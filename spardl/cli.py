@@ -163,9 +163,6 @@ def add_demo(sub) -> None:
 def _cmd_demo(args) -> int:
     import json
 
-    if args.world_size < 1:
-        print(f"spardl demo: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
-        return 2
     common = ["--seed", str(args.seed)]
     if args.epochs is not None:
         common += ["--epochs", str(args.epochs)]
