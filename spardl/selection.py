@@ -136,6 +136,8 @@ class ThresholdSelector(Selector):
       clip bounds one step's change to a factor of two.
     * A threshold that is not a finite positive number (all-zero or non-finite data at the last
       exact step) is not reused: that call is exact.
+    * k = len(x) (density 1: nothing is to be dropped) is always exact: every entry is returned,
+      however the data moved since the threshold was set.
 
     So every call returns at most ``max_count(k) = ⌈k·(1 + slack)⌉`` entries, and
     at least k entries on the exact calls.
@@ -196,7 +198,7 @@ class ThresholdSelector(Selector):
         if k == 0:
             return _empty(x)
         t = st[0]
-        if calls % self.interval == 0 or not (math.isfinite(t) and t > 0):
+        if k == n or calls % self.interval == 0 or not (math.isfinite(t) and t > 0):
             return self._exact(x, k, st)
         idx, vals = K.select_above(x, t)
         c = idx.shape[0]

@@ -103,8 +103,11 @@ class Allreducer:
         "none": no error feedback at all.
     nonfinite : {"raise", "skip", "propagate"}, default "raise"
         What to do when the reduced gradient holds NaN or Inf: raise :class:`NonFiniteError` on
-        every rank (the step is not applied, residuals unchanged), drop the step on every rank
-        (an empty result, counted in ``stats["skipped_steps"]``), or return it as it is.
+        every rank, or drop the step on every rank (an empty result, counted in
+        ``stats["skipped_steps"]``), or return it as it is. A step that raises (this error, bad
+        input, ranks that disagree) or is dropped is not applied: the whole state (residual,
+        counters, the algorithm's thresholds, budgets and boundaries: everything
+        :meth:`state_dict` holds) stays as it was, on every rank.
     check : bool, default True
         Run the cross-rank consistency check on every call (one small allreduce). Without it a
         call with mismatched arguments across ranks may hang.
@@ -124,6 +127,10 @@ class Allreducer:
     #: then X is copied to the host once, reduced there, and the result and residual are copied
     #: back once (correct, but the step costs two O(n) transfers).
     device_resident = True
+    #: Whether the rounding remainder of a float16 output goes into the residuals (see
+    #: :meth:`_round_keeping_remainder`). An algorithm without error feedback (dense) sets False:
+    #: its output is still clamped to float16's finite range, and the remainder is dropped.
+    rounding_feedback = True
 
     def __init__(
         self,
@@ -192,6 +199,12 @@ class Allreducer:
         raise NotImplementedError
 
     def _extra_state(self) -> dict:
+        """The algorithm's own state (thresholds, budgets, region boundaries, selectors).
+
+        Called before every step as well as by :meth:`state_dict`: a step that raises or is
+        skipped is rolled back by :meth:`_load_extra_state` of this snapshot, so it must be a
+        copy (no reference to anything a step mutates in place) and cheap (O(P), not O(n)).
+        """
         return {}
 
     def _load_extra_state(self, state: dict) -> None:
@@ -272,6 +285,29 @@ class Allreducer:
         NonFiniteError
             With ``nonfinite="raise"``, on every rank when the reduced values are not finite.
         """
+        # A step is a transaction: one that raises (bad input, disagreement, NonFiniteError, a
+        # fault) or is skipped leaves the whole state (what state_dict holds) as it was, on
+        # every rank alike, since every rank raises or skips together. The residual is only
+        # replaced on success, so the snapshot keeps a reference to it, not a copy.
+        saved = (self.step, self._calls, self._dtype, self._residual, self._extra_state())
+        try:
+            out, applied = self._step(grad)
+        except BaseException:
+            self._rollback(saved)
+            raise
+        if not applied:
+            self._rollback(saved)
+        return out
+
+    def _rollback(self, saved) -> None:
+        self.step, self._calls, self._dtype, self._residual, extra = saved
+        self._load_extra_state(extra)
+
+    def _accept(self, grad):
+        """The validated gradient (a NumPy or Numba device array) of this call, after the
+        cross-rank check (with ``check=True``); raises on every rank as :meth:`__call__` says.
+        Counts the call. The start of every step: a subclass that overrides :meth:`_step`
+        (dense, which has no residual and no selection) calls it first."""
         err = None
         g = None
         try:
@@ -295,7 +331,13 @@ class Allreducer:
             )
         elif err is not None:
             raise err
-        device = on_gpu
+        return g
+
+    def _step(self, grad) -> tuple[SparseResult, bool]:
+        """One step of :meth:`__call__`; returns the result and whether the step was applied
+        (False: dropped by ``nonfinite="skip"``)."""
+        g = self._accept(grad)
+        device = A.is_device(g)
         if self._dtype is None:
             self._dtype = np.dtype(g.dtype)
             self._residual = A.zeros(self.n, _work_dtype(self._dtype), device)
@@ -316,21 +358,64 @@ class Allreducer:
             if self.nonfinite == "raise":
                 raise NonFiniteError(
                     f"{self.name}: the reduced gradient holds NaN or Inf at step {self.step}; "
-                    "the step was not applied (residuals unchanged)"
+                    "the step was not applied (the allreducer's state is unchanged)"
                 )
             stats["skipped_steps"] += 1
-            return SparseResult(
+            empty = SparseResult(
                 A.empty(0, np.int64, device), A.empty(0, self._dtype, device), self.n
             )
+            return empty, False
         if self.residual_mode != "none":
             self._residual = red.residual
         self.step += 1
         stats["steps"] += 1
         values = red.values
-        if self.op == "mean" and self.P > 1:
-            values = A.divide(values, self.P)
-        indices, values = _without_zeros(red.indices, A.cast(values, self._dtype, copy=False))
-        return SparseResult(indices, values, self.n)
+        if self._dtype != values.dtype and A.all_finite(values):  # float16 from float32 sums
+            values = self._round_keeping_remainder(red.indices, values)
+        else:
+            if self.op == "mean" and self.P > 1:
+                values = A.divide(values, self.P)
+            values = A.cast(values, self._dtype, copy=False)
+        indices, values = _without_zeros(red.indices, values)
+        return SparseResult(indices, values, self.n), True
+
+    def _round_keeping_remainder(self, indices, sums):
+        """The output in the gradient's dtype (float16) from the work-dtype (float32) sums; the
+        rounding remainder of every output value goes into one rank's residual.
+
+        out_i = fp16(clip(S_i / P, ±65504)) for op="mean" (S_i for "sum"): rounded to nearest,
+        and an output past float16's range is clamped to the largest finite float16 instead of
+        becoming inf. The remainder r_i = S_i − P·out_i ("sum": S_i − out_i), in sum units,
+        computed in float64 and rounded once to float32, is added to the residual of the rank
+        that owns i's block of ``uniform_bounds(n, P)`` (rank q owns [b_q, b_q+1)): the same
+        rank on every rank's view, each rank touching only its own ~nnz/P entries. So
+        Σ_r X_r = P·out + Σ_r E_r holds to float32 rounding even when the mean underflows to 0
+        or overflows float16: nothing is lost to the output's precision. With
+        ``residual="none"`` there is no residual and the remainder is dropped.
+
+        O(nnz) host work; for GPU gradients the sums are copied to the host and the output
+        (and this rank's remainders) back, O(nnz) each way (float16 steps only).
+        """
+        dev = A.is_device(sums)
+        w = A.to_host(sums)
+        scale = self.P if self.op == "mean" else 1
+        mean = A.divide(w, self.P) if scale > 1 else w  # the same float32 mean as before
+        top = float(np.finfo(self._dtype).max)
+        out = np.clip(mean, -top, top).astype(self._dtype)
+        if self.rounding_feedback and self.residual_mode != "none":
+            bounds = K.uniform_bounds(self.n, self.P)
+            idx = A.to_host(indices)
+            lo, hi = K.block_offsets(idx, bounds)[self.rank : self.rank + 2]
+            rem = (w[lo:hi].astype(np.float64) - scale * out[lo:hi].astype(np.float64)).astype(
+                w.dtype
+            )
+            nz = rem != 0
+            if np.any(nz):
+                own_i, own_r = idx[lo:hi][nz], rem[nz]
+                if A.is_device(self._residual):
+                    own_i, own_r = A.to_device(own_i), A.to_device(own_r)
+                K.scatter_add(self._residual, own_i, own_r)
+        return A.to_device(out) if dev else out
 
     # -- state ------------------------------------------------------------------------------
     @property

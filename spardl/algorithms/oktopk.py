@@ -118,7 +118,6 @@ class OkTopk(Allreducer):
 
     # -- Algorithm 1 ------------------------------------------------------------------------
     def _reduce(self, x: np.ndarray) -> Reduced:
-        saved_selector = self.selector.state_dict()
         dev = A.is_device(x)
         with self.comm.phase("select"):
             if self.k == self.n:
@@ -145,12 +144,9 @@ class OkTopk(Allreducer):
             out_idx, out_val = self._allgather(bal_idx, bal_val, counts)
 
         residual = self._residual_after(x, sel_idx, sel_val, out_idx)
-        if self.nonfinite == "propagate" or A.all_finite(out_val):
-            self.bounds = bounds
-            self.global_threshold = self._nudge(th, int(counts.sum()))
-        else:
-            # The base class will not apply this step: leave every piece of state as it was.
-            self.selector.load_state_dict(saved_selector)
+        # A step the base class does not apply (non-finite output) is rolled back there.
+        self.bounds = bounds
+        self.global_threshold = self._nudge(th, int(counts.sum()))
         return Reduced(out_idx, out_val, residual)
 
     def _space_repartition(self, sel_idx):

@@ -1,0 +1,160 @@
+"""A step that raises or is skipped leaves the allreducer's whole state as it was
+(docs/reliability.md §3), and density 1 is the exact mean on every call, for every algorithm and
+option combination.
+
+Runs on every rank under `mpiexec -n P` (tests/test_mpi.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpiutil import assert_identical_everywhere, grads_for
+
+import spardl
+
+P = MPI.COMM_WORLD.Get_size()
+N = 48
+
+
+def _configs():
+    """(algorithm, options) for every algorithm, selector, team count and residual mode."""
+    out = []
+    for algorithm in sorted(spardl.ALGORITHMS):
+        variants = [{}]
+        if algorithm == "spardl":
+            teams = sorted({1, P} | ({2} if P % 2 == 0 else set()))
+            variants = [
+                {"teams": d, "selector": s, "threshold_interval": 2}
+                for d in teams
+                for s in ("exact", "threshold")
+            ]
+        elif algorithm == "oktopk":
+            variants = [
+                {"selector": s, "threshold_interval": 2, "region_interval": 3}
+                for s in ("threshold", "exact")
+            ]
+        for opts in variants:
+            for residual in ("global", "local", "none"):
+                out.append((algorithm, {**opts, "residual": residual}))
+    return out
+
+
+CONFIGS = _configs()
+IDS = [f"{a}-" + "-".join(f"{k}={v}" for k, v in o.items()) for a, o in CONFIGS]
+FAILURES = ["nan_raises", "inf_skipped", "bad_length", "dtype_changed", "ranks_disagree"]
+
+
+def assert_same_state(a, b, path="state"):
+    """Two state_dict()s are equal: every key, every array bit for bit, NaN equal to NaN."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), path
+        for k in a:
+            assert_same_state(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (u, v) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(u, v, f"{path}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.tobytes() == b.tobytes(), f"{path} changed"
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), f"{path}: nan became {b!r}"
+    else:
+        assert a == b, f"{path}: {a!r} became {b!r}"
+
+
+def _fail(comm, ar, kind, step):
+    """Make ``ar`` fail (or skip) one call on every rank, in the way ``kind`` names."""
+    g = grads_for(comm, N, np.float32, seed=50 + step)[comm.rank]
+    last = comm.rank == comm.size - 1
+    if kind == "nan_raises":
+        if comm.rank == 0:
+            g[5] = np.nan
+        with pytest.raises(spardl.NonFiniteError):
+            ar(g)
+    elif kind == "inf_skipped":
+        if last:
+            g[7] = -np.inf
+        out = ar(g)
+        assert out.nnz == 0
+    elif kind == "bad_length":
+        bad = np.ones(N + 1, np.float32) if last else g
+        with pytest.raises(ValueError, match="length"):
+            ar(bad)
+    elif kind == "dtype_changed":
+        bad = g.astype(np.float64) if last else g
+        with pytest.raises(TypeError, match="dtype"):
+            ar(bad)
+    elif kind == "ranks_disagree":
+        # On the first call no rank is wrong alone: rank 0 sends float64, the others float32.
+        bad = g.astype(np.float64) if comm.rank == 0 else g
+        if comm.size == 1:
+            bad = np.ones(N + 1, np.float32)  # one rank cannot disagree: a bad call instead
+        with pytest.raises((ValueError, TypeError)):
+            ar(bad)
+    else:  # pragma: no cover
+        raise ValueError(kind)
+    comm.Barrier()
+
+
+@pytest.mark.parametrize("kind", FAILURES)
+@pytest.mark.parametrize(("algorithm", "opts"), CONFIGS, ids=IDS)
+def test_failed_step_leaves_the_state_unchanged(comm, algorithm, opts, kind):
+    """state_dict() before and after a failed (or skipped) call is the same, and the next calls
+    continue bit for bit as an allreducer that never saw the failure."""
+    nonfinite = "skip" if kind == "inf_skipped" else "raise"
+    a = spardl.make(algorithm, comm, N, density=0.1, nonfinite=nonfinite, **opts)
+    b = spardl.make(algorithm, comm, N, density=0.1, nonfinite=nonfinite, **opts)
+    warm = 0 if kind == "ranks_disagree" else 3  # thresholds, h and regions have moved
+    for step in range(warm):
+        g = grads_for(comm, N, np.float32, seed=step)[comm.rank]
+        a(g)
+        b(g)
+    before = a.state_dict()
+    _fail(comm, a, kind, warm)
+    assert_same_state(before, a.state_dict())
+    for step in range(warm, warm + 3):
+        g = grads_for(comm, N, np.float32, seed=step)[comm.rank]
+        oa, ob = a(g), b(g)
+        assert_identical_everywhere(comm, oa)
+        assert oa.indices.tobytes() == ob.indices.tobytes()
+        assert oa.values.tobytes() == ob.values.tobytes()
+    assert_same_state(b.state_dict(), a.state_dict())
+
+
+@pytest.mark.parametrize(("algorithm", "opts"), CONFIGS, ids=IDS)
+def test_failed_first_step_leaves_the_state_unchanged(comm, algorithm, opts):
+    """A failure on the very first call: no dtype and no residual are left behind."""
+    a = spardl.make(algorithm, comm, N, density=0.1, **opts)
+    before = a.state_dict()
+    _fail(comm, a, "nan_raises", 0)
+    after = a.state_dict()
+    assert after["dtype"] is None and after["residual"] is None
+    assert_same_state(before, after)
+
+
+@pytest.mark.parametrize("op", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("algorithm", "opts"), CONFIGS, ids=IDS)
+def test_density_one_is_the_exact_mean_on_every_call(comm, algorithm, opts, dtype, op):
+    """Density 1 drops nothing: every call's output is the mean (sum) of that call's gradients,
+    whatever the selector, the teams or the residual mode."""
+    n = 37
+    ar = spardl.make(algorithm, comm, n, density=1.0, op=op, **opts)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for step in range(5):
+        grads = grads_for(comm, n, dtype, seed=300 + step, kind="heavy" if step % 2 else "normal")
+        out = ar(grads[comm.rank])
+        assert_identical_everywhere(comm, out)
+        total = np.sum(np.stack(grads).astype(np.float64), axis=0)
+        want = total / comm.size if op == "mean" else total
+        scale = max(1.0, float(np.max(np.abs(want))))
+        np.testing.assert_allclose(
+            out.to_dense(), want, rtol=tol, atol=tol * scale, err_msg=f"step {step}"
+        )
+        if opts["residual"] != "none":
+            assert np.max(np.abs(ar.residual), initial=0.0) <= tol * scale, f"step {step}"
