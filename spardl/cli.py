@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .mpiexec import mpiexec_path
 
 __all__ = ["COMMANDS", "build_parser", "main", "mpiexec_path", "run_collective"]
 
@@ -91,23 +92,6 @@ def _cmd_train(args) -> int:
 
 
 # -- demo --------------------------------------------------------------------------------------
-def mpiexec_path() -> str:
-    """The ``mpiexec`` beside this Python (the ``mpich`` wheel in a venv), else on PATH.
-
-    Raises
-    ------
-    FileNotFoundError
-        If there is none.
-    """
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.exists():
-        return str(here)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise FileNotFoundError("no mpiexec beside this Python or on PATH (pip install mpich)")
-    return found
-
-
 def launch_train(world_size: int, train_args: list[str], timeout: float) -> float:
     """Run ``mpiexec -n P python -m spardl train ARGS``; returns its wall time in seconds.
 
@@ -320,7 +304,15 @@ def add_bench(sub) -> None:
     _add(sub)
 
 
-COMMANDS = [add_train, add_demo, add_info, add_model, add_bench]
+def add_cluster(sub) -> None:
+    """``spardl cluster {run,check,sweep}``: emulated nodes with shaped links
+    (``spardl.cluster_cli``)."""
+    from .cluster_cli import add_cluster as _add
+
+    _add(sub)
+
+
+COMMANDS = [add_train, add_demo, add_info, add_model, add_bench, add_cluster]
 
 
 def build_parser() -> argparse.ArgumentParser:

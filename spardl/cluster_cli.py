@@ -1,0 +1,168 @@
+"""``spardl cluster {run,check,sweep}``: emulated multi-node runs on one machine
+(:mod:`spardl.cluster`).
+
+``spardl cluster run --nodes 4 --bandwidth 1gbit -- python bench/allreduce.py`` creates four
+nodes linked at 1 Gbit/s, runs ``mpiexec -n 4 python bench/allreduce.py`` across them, prints what
+each link carried, removes everything it created (also on Ctrl-C, a failure or a timeout) and
+exits with the command's status (124 after ``--timeout``). Usage errors, and a machine that cannot
+create namespaces, are one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+__all__ = ["add_cluster"]
+
+
+def _rate(text: str) -> str:
+    from .cluster import parse_rate
+
+    try:
+        parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _time(text: str) -> str:
+    from .cluster import parse_time
+
+    try:
+        parse_time(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_cluster(sub) -> None:
+    """Register ``spardl cluster`` and its subcommands on ``sub`` (an argparse subparsers)."""
+    from .train import POSITIVE_FLOAT, POSITIVE_INT
+
+    p = sub.add_parser(
+        "cluster",
+        help="run an MPI job across emulated nodes with shaped network links",
+        description="Emulated nodes on this machine (network + UTS namespaces on a bridge, each "
+        "link shaped with tc tbf), so MPI runs over real TCP links of a chosen rate. Needs root "
+        "or CAP_NET_ADMIN.",
+    )
+    cs = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND", required=True)
+    r = cs.add_parser(
+        "run",
+        help="create N nodes, run mpiexec -n N*R COMMAND across them, remove everything",
+        description="Creates N nodes, runs `mpiexec -n N*R COMMAND ARGS...` with R ranks on "
+        "each node, prints the bytes each node's link carried, tears everything down (also on "
+        "Ctrl-C, failure or timeout) and exits with the command's status.",
+    )
+    r.add_argument("--nodes", "-N", type=POSITIVE_INT, required=True, help="N")
+    r.add_argument("--ranks-per-node", "-R", type=POSITIVE_INT, default=1, help="R (default 1)")
+    r.add_argument(
+        "--bandwidth",
+        type=_rate,
+        default="1gbit",
+        help="each node's link rate, tc syntax: 100mbit, 1gbit, 10gbit (default %(default)s)",
+    )
+    r.add_argument(
+        "--latency",
+        type=_time,
+        default=None,
+        help="added one-way delay, tc syntax (50us, 1ms); needs the netem qdisc",
+    )
+    r.add_argument("--timeout", type=POSITIVE_FLOAT, default=None, help="seconds; exit 124")
+    r.add_argument("--report", type=Path, default=None, help="write the link counters as JSON")
+    r.add_argument("--quiet", "-q", action="store_true", help="no header and no link summary")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    r.set_defaults(func=_cmd_run)
+    c = cs.add_parser("check", help="can this machine run emulated clusters? (what was found)")
+    c.set_defaults(func=_cmd_check)
+    s = cs.add_parser("sweep", help="remove what killed runs left behind")
+    s.set_defaults(func=_cmd_sweep)
+
+
+def _error(msg: str) -> int:
+    print(f"spardl cluster: error: {msg}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _cmd_check(args) -> int:
+    from .cluster import check
+
+    found = check()
+    width = max(len(name) for name, _, _ in found.rows)
+    for name, ok, detail in found.rows:
+        print(f"{'ok  ' if ok else 'FAIL'} {name:<{width}}  {detail}")
+    print("this machine can run emulated clusters" if found.ok else "cannot run here")
+    return 0 if found.ok else 2
+
+
+def _cmd_sweep(args) -> int:
+    from .cluster import check_quick, sweep
+
+    problem = check_quick()
+    if problem:
+        return _error(problem)
+    removed = sweep()
+    print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else ""))
+    return 0
+
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _cmd_run(args) -> int:
+    from .cluster import Cluster, ClusterError, check_quick, measure_latency
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        return _error("no command given (spardl cluster run --nodes N -- COMMAND [ARGS...])")
+    problem = check_quick()
+    if problem:
+        return _error(problem)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with Cluster(args.nodes, args.ranks_per_node, args.bandwidth, args.latency) as cl:
+            if not args.quiet:
+                lat = ""
+                if cl.nodes >= 2:
+                    lat = f"; one-way latency {measure_latency(cl) * 1e6:.0f} us (TCP ping-pong)"
+                print(f"spardl cluster: {cl.describe()}{lat}", file=sys.stderr, flush=True)
+            proc = cl.run(command, timeout=args.timeout)
+            counters = cl.counters()
+    except ClusterError as e:
+        return _error(str(e))
+    except KeyboardInterrupt:
+        print("spardl cluster: interrupted; everything removed", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if proc.returncode == 124 and args.timeout is not None:
+        print(f"spardl cluster: timed out after {args.timeout:g} s", file=sys.stderr, flush=True)
+    if not args.quiet:
+        for i, c in enumerate(counters):
+            print(
+                f"spardl cluster: node {i}: sent {c['tx_bytes'] / 1e6:.3f} MB, "
+                f"received {c['rx_bytes'] / 1e6:.3f} MB",
+                file=sys.stderr,
+            )
+    if args.report is not None:
+        args.report.write_text(
+            json.dumps(
+                {
+                    "nodes": args.nodes,
+                    "ranks_per_node": args.ranks_per_node,
+                    "bandwidth": args.bandwidth,
+                    "command": command,
+                    "returncode": proc.returncode,
+                    "links": counters,
+                },
+                indent=1,
+            )
+        )
+    return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
