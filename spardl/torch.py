@@ -20,8 +20,10 @@ import socket
 import numpy as np
 import torch
 
+from . import _arrays as A
 from . import make
-from .comm import Comm
+from .algorithms.base import collective_check
+from .comm import Comm, name_hash
 
 __all__ = [
     "SparseGradientReducer",
@@ -134,58 +136,278 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy() if t.is_cuda else t.detach().numpy()
 
 
-class _Reductions:
-    """Sparse allreducers keyed by buffer id, plus the dense allreducer used for warm-up.
+#: The options every allreducer accepts (spardl.Allreducer's keywords).
+_COMMON_OPTIONS = ("density", "op", "residual", "nonfinite", "check")
 
-    All of them share one duplicated communicator and therefore one ``stats`` mapping.
+
+def _validate_options(ctl: Comm, algorithm, options: dict, err=None, hook=False) -> None:
+    """Collective: every rank raises the same error if any rank's algorithm or options are bad.
+
+    Unknown options are named with the full list of accepted ones (common and the algorithm's
+    own); the values are then checked by building a small allreducer with :func:`spardl.make`, so
+    the messages are make's own.
+    """
+    from . import ALGORITHMS
+
+    cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    if err is None and cls is not None:
+        accepted = set(_COMMON_OPTIONS) | set(cls.options)
+        if hook:
+            accepted.discard("op")
+            if "op" in options:
+                err = TypeError("op is fixed to 'mean' for a DDP hook; do not pass it")
+        unknown = sorted(set(options) - accepted - {"op"} if hook else set(options) - accepted)
+        if err is None and unknown:
+            err = TypeError(
+                f"{algorithm}: unknown option(s) {unknown}; accepted: {sorted(accepted)}"
+            )
+    described = {"algorithm": repr(algorithm), "options": repr(sorted(options))}
+    collective_check(ctl, err, [name_hash(described["options"])], described)
+    # The values: make's own checks and messages (unknown algorithm included), on every rank.
+    probe = make(
+        algorithm,
+        ctl,
+        max(1, ctl.size),
+        op="mean" if hook else options.get("op", "mean"),
+        **{k: v for k, v in options.items() if k != "op"},
+    )
+    for sub in {
+        id(c): c for c in (getattr(probe, "_team", None), getattr(probe, "_cross", None))
+    }.values():
+        if sub is not None and sub is not ctl:
+            sub.free()
+
+
+_ANNOUNCED = False
+
+
+def _kernels_cached() -> bool:
+    """Whether Numba's on-disk cache holds compiled spardl kernels (any signature)."""
+    import glob
+
+    import spardl_kernels
+
+    roots = [os.path.dirname(spardl_kernels.__file__)]
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        roots.append(os.environ["NUMBA_CACHE_DIR"])
+    return any(glob.glob(os.path.join(r, "**", "*.nbi"), recursive=True) for r in roots)
+
+
+def _announce_compile(rank: int) -> None:
+    """Say once, on rank 0, that the first call compiles the kernels (it looks like a hang)."""
+    global _ANNOUNCED
+    if _ANNOUNCED:
+        return
+    _ANNOUNCED = True
+    if rank == 0 and not _kernels_cached():
+        import sys
+
+        print(
+            "spardl: compiling kernels, first run only (about 30 s; cached afterwards)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _flat_dtype(dtypes) -> torch.dtype:
+    """The dtype of the flat buffer: the parameters' one dtype if NumPy has it, else float32
+    (bfloat16 and mixed models accumulate in float32)."""
+    dtypes = set(dtypes)
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    return dtype if dtype in (torch.float16, torch.float32, torch.float64) else torch.float32
+
+
+def _raise_everywhere(ctl: Comm, err) -> None:
+    """After a control allreduce said some rank failed: raise on every rank, naming the first."""
+    reports = ctl.allgather_object(None if err is None else (type(err).__name__, str(err)))
+    if err is not None:
+        raise err
+    r, (kind, msg) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
+    raise (TypeError if kind == "TypeError" else ValueError)(f"rank {r}: {msg}")
+
+
+class _Core:
+    """What the hook and the reducer share: the parameters' layout in one flat vector (keyed by
+    parameter), the sparse and dense allreducers over it, the step and checkpoints.
+
+    ``comm`` carries the allreducers' messages (``stats``); ``ctl`` the small control messages
+    (option checks, which parameters some rank used), kept out of the counters.
     """
 
-    def __init__(self, comm, algorithm: str, warmup_steps: int, options: dict):
+    def __init__(self, comm, algorithm, warmup_steps: int, options: dict):
         self.comm = Comm(comm)
+        self.ctl = Comm(comm)
         self.algorithm = algorithm
         self.warmup_steps = warmup_steps
         self.options = dict(options)
-        self.allreducers: dict = {}
-        self.dense: dict = {}
+        self.sparse = None
+        self.dense = None
         self.created = 0
         self.step = 0
-        self.pending: dict = {}  # key -> saved allreducer state, applied when it is created
+        self.pending = None  # a loaded state, applied when the sparse allreducer exists
+        self.keys = None  # parameter keys in flat order
+        self.numels = None
+        self.offsets = None
+        self.n = 0
+        self.flat = None
 
     @property
     def stats(self) -> dict:
         return self.comm.stats
 
-    def get(self, key, n: int, dense: bool):
-        table = self.dense if dense else self.allreducers
-        ar = table.get(key)
-        if ar is None or ar.n != n:
-            # A new allreducer is collective; every rank reaches here at the same bucket, since
-            # DDP builds (and rebuilds) the same buckets on every rank.
-            if dense:
-                ar = make("dense", self.comm, n, op=self.options.get("op", "mean"))
-            else:
-                ar = make(self.algorithm, self.comm, n, op="mean", **self.options)
-                self.created += 1
-                saved = self.pending.get(key)
-                if saved is not None and saved.get("n") == n:
-                    ar.load_state_dict(self.pending.pop(key))
-            table[key] = ar
-        return ar
+    def set_layout(self, keys, numels, dtype: torch.dtype) -> None:
+        self.keys = list(keys)
+        self.numels = [int(m) for m in numels]
+        self.offsets = np.cumsum([0, *self.numels]).tolist()
+        self.n = int(self.offsets[-1])
+        self.flat = torch.zeros(self.n, dtype=dtype)
+
+    def allreducer(self, dense: bool):
+        if dense:
+            if self.dense is None:
+                self.dense = make("dense", self.comm, self.n, op=self.options.get("op", "mean"))
+            return self.dense
+        if self.sparse is None:
+            _announce_compile(self.comm.rank)
+            opts = {"op": "mean", **self.options}
+            self.sparse = make(self.algorithm, self.comm, self.n, **opts)
+            self.created += 1
+            if self.pending is not None:
+                self._apply(self.pending)
+                self.pending = None
+        return self.sparse
+
+    def run(self, unused) -> object:
+        """Reduce ``self.flat`` in place; the slices ``unused`` (no rank used those parameters,
+        their result is discarded) keep their residual as it was."""
+        dense = self.step < self.warmup_steps
+        ar = self.allreducer(dense)
+        keep = []
+        if not dense and unused and ar.residual_mode != "none":
+            res = ar.residual
+            keep = [(a, b, np.array(res[a:b], copy=True)) for a, b in unused]
+        buf = _as_numpy(self.flat)
+        out = ar(buf)
+        if keep:
+            res = ar.residual  # the allreducer's own host array: restored in place
+            for a, b, v in keep:
+                res[a:b] = v
+        out.to_dense(out=buf)
+        if self.flat.is_cuda:  # pragma: no cover - the flat buffer lives on the host for now
+            self.flat.copy_(torch.from_numpy(buf))
+        self.step += 1
+        return out
+
+    def residuals(self) -> dict:
+        ar = self.sparse
+        if ar is None or self.keys is None:
+            return {}
+        res, o = A.to_host(ar.residual), self.offsets
+        return {k: np.array(res[o[i] : o[i + 1]]) for i, k in enumerate(self.keys)}
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        import copy
+
+        return to_torch_state(
+            {
+                "algorithm": self.algorithm,
+                "step": self.step,
+                "keys": self.keys,
+                "numels": self.numels,
+                "allreducer": None if self.sparse is None else self.sparse.state_dict(),
+                "stats": copy.deepcopy(self.stats),
+            }
+        )
+
+    def load_state_dict(self, state: dict) -> None:
+        state = from_torch_state(state)
+        if state.get("algorithm") != self.algorithm:
+            raise ValueError(
+                f"state was saved with algorithm={state.get('algorithm')!r}, "
+                f"this one has {self.algorithm!r}"
+            )
+        if "allreducers" in state and "allreducer" not in state:
+            raise ValueError(
+                "state holds per-bucket allreducers (saved by an older spardl); its residuals "
+                "cannot be assigned to parameters"
+            )
+        saved = state.get("allreducer")
+        if saved is not None and saved.get("world_size") != self.comm.size:
+            raise ValueError(
+                f"state was saved with world_size={saved.get('world_size')!r}, "
+                f"this one has {self.comm.size}"
+            )
+        self.step = int(state["step"])
+        self.stats.clear()
+        self.stats.update(state.get("stats") or {})
+        if self.sparse is not None:
+            self._apply(state)
+        else:
+            self.pending = state
+
+    def _apply(self, state: dict) -> None:
+        """Load a saved state into the sparse allreducer. Same parameters in the same layout:
+        the whole allreducer state (bit for bit). Otherwise each parameter's residual goes to its
+        new place; the algorithm's own estimates (thresholds, budgets, regions) start afresh."""
+        saved = state.get("allreducer")
+        if saved is None:
+            return
+        ar = self.sparse
+        if state.get("keys") is None:  # saved before the layout was recorded: same n only
+            ar.load_state_dict(saved)
+            return
+        if list(state["keys"]) == self.keys and list(state["numels"]) == self.numels:
+            ar.load_state_dict(saved)
+            return
+        res = saved.get("residual")
+        if res is None:
+            return
+        offs = np.cumsum([0, *state["numels"]]).tolist()
+        old = {k: res[offs[i] : offs[i + 1]] for i, k in enumerate(state["keys"])}
+        lost = sorted(set(old) - set(self.keys))
+        if lost:
+            raise ValueError(
+                f"the state holds residuals of parameters {lost} that are not reduced here"
+            )
+        fresh = ar.state_dict()
+        dtype = np.dtype(str(self.flat.dtype).removeprefix("torch."))
+        new = np.zeros(self.n, dtype=np.float32 if dtype == np.float16 else dtype)
+        for i, k in enumerate(self.keys):
+            if k in old:
+                if len(old[k]) != self.numels[i]:
+                    raise ValueError(
+                        f"the state's residual of parameter {k!r} has {len(old[k])} elements, "
+                        f"the parameter has {self.numels[i]}"
+                    )
+                new[self.offsets[i] : self.offsets[i + 1]] = old[k]
+        fresh.update(step=int(saved["step"]), dtype=str(dtype), residual=new)
+        ar.load_state_dict(fresh)
 
 
 class SparseHookState:
-    """State of :func:`sparse_allreduce_hook`: one allreducer per DDP bucket.
+    """State of :func:`sparse_allreduce_hook`.
+
+    The hook gathers every bucket of an iteration and reduces the whole model's gradient as one
+    vector, laid out by parameter (the order of ``model.parameters()`` when ``model`` is given,
+    else the order of DDP's first iteration), with one sparse allreducer: the result does not
+    depend on DDP's buckets (their rebuild after the first iteration, ``bucket_cap_mb``), and a
+    run resumed into a fresh DDP continues bit for bit. The result equals
+    :class:`SparseGradientReducer`'s on the same parameters.
 
     Parameters
     ----------
     comm : mpi4py.MPI.Intracomm
-        The communicator the sparse allreduce runs over (duplicated inside); same ranks as the
-        DDP process group.
+        The communicator the sparse allreduce runs over (duplicated inside); the same ranks as
+        DDP's process group, checked at the first call (launch with ``mpiexec``, not torchrun).
     algorithm : str, default "spardl"
         A key of :data:`spardl.ALGORITHMS`.
     warmup_steps : int, default 2
-        Dense allreduce for the first ``warmup_steps`` iterations. At least 2 is advised: DDP
-        rebuilds its buckets after the first iteration, and a dense start avoids stale residuals.
+        Dense allreduce for the first ``warmup_steps`` iterations.
+    model : torch.nn.Module, optional
+        The model (or its DDP wrapper). Recommended: parameters are then named in checkpoints
+        and errors (a checkpoint loads by name, whatever the layout), and the parameters a rank
+        used are known from the first iteration on (``find_unused_parameters=True``).
     **allreducer_options
         Passed to :func:`spardl.make` (``density``, ``teams``, ``residual``, ...). ``op`` is
         always "mean", as DDP expects averaged gradients.
@@ -193,84 +415,227 @@ class SparseHookState:
     Attributes
     ----------
     step : int
-        Completed iterations (counted at each iteration's last bucket).
-    allreducers : dict
-        Bucket index -> the sparse allreducer of that bucket. A bucket whose size changes gets a
-        new one (and loses its residual).
+        Completed iterations.
+    allreducer : spardl.Allreducer or None
+        The sparse allreducer (created at the first sparse iteration).
     stats : dict
-        Cumulative message and byte counters of every allreducer of this state, warm-up included.
+        Cumulative message and byte counters of the allreducers, warm-up included.
 
     Raises
     ------
     ValueError, TypeError
-        If ``warmup_steps`` is invalid or ``op`` is given (locally, when constructed); algorithm
-        options are checked on every rank at the first sparse step.
+        On every rank (collective), if any rank's algorithm, option or ``warmup_steps`` is
+        invalid or the ranks disagree; the messages are those of :func:`spardl.make`.
+
+    Notes
+    -----
+    Parameters that no rank used in an iteration (``find_unused_parameters=True``) keep their
+    residual: DDP leaves their ``.grad`` alone, so what was selected for them is put back.
+    Sparse gradients (``nn.Embedding(sparse=True)``) raise a TypeError naming the parameter.
     """
 
     def __init__(
-        self, comm, algorithm: str = "spardl", warmup_steps: int = 2, **allreducer_options
+        self,
+        comm,
+        algorithm: str = "spardl",
+        warmup_steps: int = 2,
+        *,
+        model=None,
+        **allreducer_options,
     ):
-        warmup_steps = _check_warmup(warmup_steps)
-        if "op" in allreducer_options:
-            raise TypeError("op is fixed to 'mean' for a DDP hook; do not pass it")
-        self._red = _Reductions(comm, algorithm, warmup_steps, allreducer_options)
+        err = None
+        try:
+            warmup_steps = _check_warmup(warmup_steps)
+            if model is not None and not isinstance(model, torch.nn.Module):
+                raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        except (TypeError, ValueError) as e:
+            err = e
+        self._core = _Core(comm, algorithm, 0, allreducer_options)
+        _validate_options(self._core.ctl, algorithm, allreducer_options, err, hook=True)
+        self._core.warmup_steps = warmup_steps
         self.algorithm = algorithm
         self.warmup_steps = warmup_steps
+        self._names = None
+        self._params = None
+        self._used = None
+        self._inflight = []
+        self._checked = False
+        if model is not None:
+            inner = getattr(model, "module", model)
+            named = [(k, p) for k, p in inner.named_parameters() if p.requires_grad]
+            self._names = {id(p): k for k, p in named}
+            self._params = [p for _, p in named]
+            self._track(self._params)
+
+    def _track(self, params) -> None:
+        # A gradient hook fires when autograd computes the parameter's gradient, before DDP's
+        # own hook marks it ready: at the last bucket, every parameter this rank used is known.
+        self._used = {}
+        for p in params:
+            if id(p) not in self._used:
+                self._used[id(p)] = False
+                p.register_hook(self._mark(id(p)))
+
+    def _mark(self, key):
+        def hook(grad):
+            self._used[key] = True
+
+        return hook
 
     @property
     def step(self) -> int:
-        return self._red.step
+        return self._core.step
 
     @property
-    def allreducers(self) -> dict:
-        return self._red.allreducers
+    def allreducer(self):
+        return self._core.sparse
 
     @property
     def created(self) -> int:
-        """How many sparse allreducers this state has created (a rebuilt bucket adds one)."""
-        return self._red.created
+        """How many sparse allreducers this state has created (one)."""
+        return self._core.created
 
     @property
     def stats(self) -> dict:
-        return self._red.stats
+        return self._core.stats
+
+    def residuals(self) -> dict:
+        """Each parameter's residual (this rank's), keyed like the checkpoint: name or position.
+
+        Returns
+        -------
+        dict of str -> ndarray
+            Empty before the first sparse iteration.
+        """
+        return self._core.residuals()
 
     def state_dict(self) -> dict:
-        """Step, counters and every bucket's allreducer state (residuals)."""
-        import copy
-
-        return to_torch_state(
-            {
-                "algorithm": self.algorithm,
-                "step": self._red.step,
-                "allreducers": {k: ar.state_dict() for k, ar in self._red.allreducers.items()},
-                "stats": copy.deepcopy(self.stats),
-            }
-        )
+        """Step, counters, the parameter layout and the allreducer's state (residuals)."""
+        return self._core.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`. Allreducers are created lazily (at the first sparse step
-        of each bucket), so each saved bucket state is applied when its bucket's allreducer is
-        created with the same size.
+        """Restore :meth:`state_dict`, applied when the allreducer is created (at the first
+        sparse iteration). Same layout: bit for bit. Another layout (other parameters' order,
+        another model key): each parameter's residual follows it, by key; the algorithm's own
+        estimates (Ok-Topk's thresholds and regions, SparDL's budget h, selector state) are
+        re-estimated from scratch.
 
         Raises
         ------
         ValueError
-            If the state was saved with another algorithm.
+            If the state was saved with another algorithm or world size (at once), or holds
+            residuals of parameters this model does not reduce (when applied).
         """
-        state = from_torch_state(state)
-        if state.get("algorithm") != self.algorithm:
-            raise ValueError(
-                f"state was saved with algorithm={state.get('algorithm')!r}, "
-                f"this hook has {self.algorithm!r}"
-            )
-        self._red.step = int(state["step"])
-        self._red.pending = dict(state["allreducers"])
-        self.stats.clear()
-        self.stats.update(state.get("stats") or {})
+        self._core.load_state_dict(state)
+
+    # -- the hook's work --------------------------------------------------------------------
+    def _name(self, p, i=None) -> str:
+        if self._names is not None and id(p) in self._names:
+            return self._names[id(p)]
+        return f"#{i}" if i is not None else f"of shape {tuple(p.shape)}"
+
+    def _check_group(self) -> None:
+        """Collective, once: the MPI communicator is DDP's (default) process group."""
+        import torch.distributed as dist
+
+        ctl, err = self._core.ctl, None
+        if dist.is_available() and dist.is_initialized():
+            mine = (dist.get_rank(), dist.get_world_size())
+            if mine != (ctl.rank, ctl.size):
+                err = ValueError(
+                    f"comm has rank {ctl.rank} of {ctl.size} but the torch.distributed process "
+                    f"group has rank {mine[0]} of {mine[1]}: start one MPI job (mpiexec -n P "
+                    "python train.py, then init_process_group_from_mpi(comm)), not torchrun"
+                )
+        collective_check(ctl, err, [ctl.size], {"size": ctl.size})
+        self._checked = True
+
+    def _bucket(self, bucket):
+        if not self._checked:
+            self._check_group()
+        fut = torch.futures.Future()
+        self._inflight.append((bucket.buffer(), list(bucket.parameters()), fut))
+        if not bucket.is_last():
+            return fut
+        inflight, self._inflight = self._inflight, []
+        try:
+            self._reduce(inflight)
+        except BaseException as e:
+            for _, _, f in inflight[:-1]:
+                f.set_exception(e)
+            raise
+        for buf, _, f in inflight:
+            f.set_result(buf)
+        return fut
+
+    def _reduce(self, inflight) -> None:
+        core, err = self._core, None
+        seen = []  # (param, buffer, offset in it), dense buckets only
+        params = []
+        for buf, ps, _ in inflight:
+            params += ps
+            if buf.layout != torch.strided:
+                if err is None:
+                    names = ", ".join(self._name(p) for p in ps)
+                    err = TypeError(
+                        f"parameter {names} has a sparse gradient ({buf.layout}); "
+                        "sparse_allreduce_hook reduces dense gradients only (use "
+                        "nn.Embedding(sparse=False))"
+                    )
+                continue
+            off = 0
+            for p in ps:
+                seen.append((p, buf, off))
+                off += p.numel()
+        if core.keys is None:
+            ids = {id(p) for p in params}
+            order = [p for p in self._params if id(p) in ids] if self._params else []
+            order += [p for p in params if id(p) not in {id(q) for q in order}]
+            self._order = order
+            self._index = {id(p): i for i, p in enumerate(order)}
+            keys = [self._name(p, i) for i, p in enumerate(order)]
+            dtype = _flat_dtype(p.dtype for p in order)
+            core.set_layout(keys, [p.numel() for p in order], dtype)
+            first = self._used is None
+            if first:
+                self._track(order)
+        else:
+            first = False
+        m = len(core.keys)
+        local = np.zeros(1 + m, dtype=np.int64)
+        present = np.zeros(m, dtype=bool)
+        flat, o = core.flat, core.offsets
+        with torch.no_grad():
+            for p, buf, off in seen:
+                i = self._index.get(id(p))
+                if i is None:
+                    if err is None:
+                        err = ValueError(
+                            f"parameter {self._name(p)} is in DDP's buckets but was not at the "
+                            "first iteration"
+                        )
+                    continue
+                flat[o[i] : o[i + 1]].copy_(buf[off : off + p.numel()])
+                present[i] = True
+                local[1 + i] = 1 if first else int(self._used.get(id(p), False))
+            for i in np.flatnonzero(~present):
+                flat[o[i] : o[i + 1]].zero_()
+        local[0] = err is not None
+        for key in self._used:
+            self._used[key] = False
+        total = core.ctl.allreduce(local)
+        if total[0]:
+            _raise_everywhere(core.ctl, err)
+        unused = [(o[i], o[i + 1]) for i in range(m) if total[1 + i] == 0]
+        core.run(unused)
+        with torch.no_grad():
+            for p, buf, off in seen:
+                i = self._index[id(p)]
+                buf[off : off + p.numel()].copy_(flat[o[i] : o[i + 1]])
 
 
 def sparse_allreduce_hook(state: SparseHookState, bucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: sparse allreduce of one gradient bucket over MPI.
+    """DDP communication hook: sparse allreduce of the model's gradient over MPI.
 
     Use as ``ddp_model.register_comm_hook(state, sparse_allreduce_hook)``.
 
@@ -278,36 +643,34 @@ def sparse_allreduce_hook(state: SparseHookState, bucket) -> torch.futures.Futur
     ----------
     state : SparseHookState
     bucket : torch.distributed.GradBucket
-        DDP's bucket; its flat ``buffer()`` (float16/32/64, shape (n,)) holds this rank's
-        gradients.
+        DDP's bucket; its flat ``buffer()`` (float16/32/64 or bfloat16) holds this rank's
+        gradients of ``bucket.parameters()``.
 
     Returns
     -------
     torch.futures.Future
-        Already completed; holds the bucket's buffer overwritten with the averaged (sparse)
-        gradient, same dtype, shape and device, as the DDP hook API requires.
+        Holds the bucket's buffer overwritten with the averaged (sparse) gradient, same dtype,
+        shape and device, as the DDP hook API requires. The futures of an iteration complete
+        at its last bucket, when the whole gradient is reduced (DDP waits for them only after
+        the backward pass).
+
+    Raises
+    ------
+    ValueError
+        On every rank at the first call, if ``state``'s communicator is not DDP's process group
+        (size and rank), e.g. under torchrun.
+    TypeError
+        On every rank, if a parameter has a sparse gradient.
 
     Notes
     -----
     The first ``state.warmup_steps`` iterations use a dense allreduce (Ok-Topk and DGC warm up
     densely as well: arXiv 2201.07598 §5, arXiv 1712.01887 §3). The sparse result is mean-reduced
     by the allreducer; entries no rank selected are zero, and what was not sent stays in the
-    residual for the next iteration (error feedback, arXiv 1809.07599).
+    residual for the next iteration (error feedback, arXiv 1809.07599). bfloat16 and float16
+    gradients accumulate in float32 (float16: in the allreducer's work dtype).
     """
-    red = state._red
-    buf = bucket.buffer()
-    flat = buf.view(-1)
-    n = flat.numel()
-    dense = red.step < red.warmup_steps
-    ar = red.get(bucket.index(), n, dense)
-    out = ar(_as_numpy(flat))
-    result = torch.from_numpy(out.to_dense())
-    flat.copy_(result)
-    if bucket.is_last():
-        red.step += 1
-    fut = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+    return state._bucket(bucket)
 
 
 class SparseGradientReducer:
@@ -318,9 +681,10 @@ class SparseGradientReducer:
 
     Parameters
     ----------
-    params : iterable of torch.nn.Parameter
+    params : iterable of torch.nn.Parameter or of (name, Parameter)
         The parameters whose gradients are reduced (those with ``requires_grad``), in the same
-        order on every rank. n = their total number of elements.
+        order on every rank; ``model.named_parameters()`` names them in errors and checkpoints.
+        n = their total number of elements.
     comm : mpi4py.MPI.Intracomm
         The communicator (duplicated inside).
     algorithm : str, default "spardl"
@@ -334,109 +698,145 @@ class SparseGradientReducer:
     ------
     ValueError, TypeError
         On every rank, if any rank's parameters or options are invalid or the ranks disagree
-        (different n, algorithm or options).
+        (different n, algorithm or options); the messages are those of :func:`spardl.make`.
     """
 
     def __init__(self, params, comm, algorithm: str = "spardl", warmup_steps: int = 0, **options):
-        self.params = [p for p in params if p.requires_grad]
+        err = None
+        named = []
+        try:
+            for i, item in enumerate(params):
+                name, p = item if isinstance(item, tuple) else (str(i), item)
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"params must hold tensors, got {type(p).__name__}")
+                if p.requires_grad:
+                    named.append((name, p))
+            bad = sorted({str(p.dtype) for _, p in named if not p.dtype.is_floating_point})
+            if bad:
+                raise TypeError(f"params must be floating point, got dtype(s) {bad}")
+            self._warmup = _check_warmup(warmup_steps)
+        except (TypeError, ValueError) as e:
+            err, named, self._warmup = e, [], 0
+        self.params = [p for _, p in named]
+        self.names = [k for k, _ in named]
         self.n = int(sum(p.numel() for p in self.params))
-        dtypes = {p.dtype for p in self.params}
-        bad = sorted(str(d) for d in dtypes if not d.is_floating_point)
-        if bad:
-            raise TypeError(f"params must be floating point, got dtype(s) {bad}")
-        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        if dtype not in (torch.float16, torch.float32, torch.float64):
-            # bfloat16 (or another float NumPy cannot view): reduce in a float32 buffer.
-            dtype = torch.float32
-        self._warmup = _check_warmup(warmup_steps)
         self.algorithm = algorithm
-        self._red = _Reductions(comm, algorithm, self._warmup, options)
-        # Built here, on every rank, so that a bad option fails before training starts.
-        self.allreducer = self._red.get("all", self.n, dense=False)
-        self._flat = torch.zeros(self.n, dtype=dtype)
-        self._offsets = np.cumsum([0] + [p.numel() for p in self.params]).tolist()
+        self._core = _Core(comm, algorithm, self._warmup, options)
+        _validate_options(self._core.ctl, algorithm, options, err)
+        self._core.set_layout(
+            self.names, [p.numel() for p in self.params], _flat_dtype(p.dtype for p in self.params)
+        )
+        # Built here, on every rank, so that a bad n fails before training starts.
+        self.allreducer = self._core.allreducer(dense=False)
+        self._flat = self._core.flat
+        self._offsets = self._core.offsets
         self.last_result = None
 
     @property
     def step(self) -> int:
         """Completed calls of :meth:`reduce`."""
-        return self._red.step
+        return self._core.step
 
     @property
     def stats(self) -> dict:
         """Cumulative message and byte counters (warm-up included); see :mod:`spardl.comm`."""
-        return self._red.stats
+        return self._core.stats
 
     def reduce(self):
         """Average the gradients over the ranks (sparsely) and write them back into ``.grad``.
 
-        A parameter without a gradient contributes zeros and receives the reduced gradient.
+        A parameter that has a gradient on some rank is reduced (a rank without one contributes
+        zeros and receives the result). A parameter without a gradient on every rank, or frozen
+        (``requires_grad=False``) since the reducer was built, is left alone: its ``.grad`` stays
+        as it is (None) and its residual is kept for a later step.
 
         Returns
         -------
         SparseResult
             The reduced flat gradient (mean over ranks unless ``op="sum"``), identical on every
-            rank; ``.grad`` of parameter i holds exactly its slice of ``to_dense()``.
+            rank; ``.grad`` of each reduced parameter holds exactly its slice of ``to_dense()``.
+
+        Raises
+        ------
+        TypeError
+            On every rank, before the allreduce, if a rank holds a sparse gradient (it names the
+            parameter).
+        ValueError
+            On every rank, if a rank's gradient does not have its parameter's shape.
         """
-        flat = self._flat
+        core, flat, o = self._core, self._flat, self._offsets
+        m = len(self.params)
+        local = np.zeros(1 + m, dtype=np.int64)
+        err = None
         with torch.no_grad():
-            for p, a, b in zip(self.params, self._offsets, self._offsets[1:], strict=False):
-                if p.grad is None:
-                    flat[a:b].zero_()
+            for i, p in enumerate(self.params):
+                g = p.grad if p.requires_grad else None
+                if g is not None and err is None:
+                    if g.layout != torch.strided:
+                        err = TypeError(
+                            f"parameter {self.names[i]} has a sparse gradient ({g.layout}); "
+                            "SparseGradientReducer reduces dense gradients only (use "
+                            "nn.Embedding(sparse=False))"
+                        )
+                    elif g.shape != p.shape:
+                        err = ValueError(
+                            f"parameter {self.names[i]}: .grad has shape {tuple(g.shape)}, "
+                            f"the parameter {tuple(p.shape)}"
+                        )
+                if g is None or err is not None:
+                    flat[o[i] : o[i + 1]].zero_()
                 else:
-                    flat[a:b].copy_(p.grad.reshape(-1))
-            dense = self._red.step < self._warmup
-            ar = self._red.get("dense", self.n, True) if dense else self.allreducer
-            out = ar(flat.numpy())
-            out.to_dense(out=flat.numpy())
-            for p, a, b in zip(self.params, self._offsets, self._offsets[1:], strict=False):
-                g = flat[a:b].view(p.shape)
+                    flat[o[i] : o[i + 1]].copy_(g.reshape(-1))
+                    local[1 + i] = 1
+            local[0] = err is not None
+            total = core.ctl.allreduce(local)
+            if total[0]:
+                _raise_everywhere(core.ctl, err)
+            used = total[1:] > 0
+            out = core.run([(o[i], o[i + 1]) for i in np.flatnonzero(~used)])
+            for i, p in enumerate(self.params):
+                if not used[i] or not p.requires_grad:
+                    continue
+                g = flat[o[i] : o[i + 1]].view(p.shape)
                 if p.grad is None:
                     p.grad = g.to(p.device, p.dtype, copy=True)
                 else:
                     p.grad.copy_(g)
-        self._red.step += 1
         self.last_result = out
         return out
 
+    def residuals(self) -> dict:
+        """Each parameter's residual (this rank's), keyed like the checkpoint: name or position.
+
+        Returns
+        -------
+        dict of str -> ndarray
+            Empty before the first sparse step.
+        """
+        return self._core.residuals()
+
     def state_dict(self) -> dict:
-        """The allreducer's state (residuals, selector state), the step and the counters.
+        """The allreducer's state (residuals, selector state), the layout, step and counters.
 
         Arrays are torch tensors and scalars plain Python numbers, so ``torch.save`` /
         ``torch.load`` (with its default ``weights_only=True``) round-trip it.
         """
-        import copy
-
-        return to_torch_state(
-            {
-                "algorithm": self.algorithm,
-                "n": self.n,
-                "step": self._red.step,
-                "allreducer": self.allreducer.state_dict(),
-                "stats": copy.deepcopy(self.stats),
-            }
-        )
+        state = self._core.state_dict()
+        state["n"] = self.n
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; the next :meth:`reduce` continues bit for bit.
+        """Restore :meth:`state_dict`; the next :meth:`reduce` continues bit for bit (with the
+        same parameters; with others, each parameter's residual follows its key and the
+        algorithm's own estimates start afresh).
 
         Raises
         ------
         ValueError
-            If the state was saved with another algorithm or n (or another rank / world size).
+            If the state was saved with another algorithm or world size, or holds residuals of
+            parameters this reducer does not have (or of another size).
         """
-        state = from_torch_state(state)
-        for key, mine in (("algorithm", self.algorithm), ("n", self.n)):
-            if state.get(key) != mine:
-                raise ValueError(
-                    f"state was saved with {key}={state.get(key)!r}, this reducer has {mine!r}"
-                )
-        self.allreducer.load_state_dict(state["allreducer"])
-        self._red.step = int(state["step"])
-        stats = state.get("stats")
-        if stats is not None:
-            self.stats.clear()
-            self.stats.update(stats)
+        self._core.load_state_dict(state)
 
 
 def to_torch_state(obj):

@@ -73,7 +73,7 @@ def ddp_matches_allreduce(world, algorithm):
         "param_scale": scale,
         "moved_from_init": moved,
         "hook_steps": state.step,
-        "buckets": len(state.allreducers),
+        "created": state.created,
         "sparse_bytes_sent": state.stats["bytes_sent"],
         "same_everywhere": same_everywhere,
     }
@@ -118,8 +118,8 @@ def ddp_sparse_trains(world, algorithm):
 class FakeBucket:
     """The part of torch.distributed.GradBucket the hook uses."""
 
-    def __init__(self, index, buffer, last):
-        self._i, self._b, self._last = index, buffer, last
+    def __init__(self, index, buffer, params, last):
+        self._i, self._b, self._p, self._last = index, buffer, params, last
 
     def index(self):
         return self._i
@@ -127,41 +127,65 @@ class FakeBucket:
     def buffer(self):
         return self._b
 
+    def parameters(self):
+        return self._p
+
     def is_last(self):
         return self._last
 
 
-def bucket_resize(world, algorithm):
-    """A bucket whose size changes gets a new allreducer; a same-size call reuses it."""
+def _fake_step(state, grads, groups):
+    """One iteration of the hook over fake buckets ``groups`` (lists of parameter positions);
+    returns every parameter's reduced gradient, by position."""
+    futs = []
+    for b, group in enumerate(groups):
+        buf = torch.cat([grads[i][1].flatten() for i in group])
+        params = [grads[i][0] for i in group]
+        futs.append((group, state._bucket(FakeBucket(b, buf, params, b == len(groups) - 1))))
+    out = {}
+    for group, fut in futs:
+        flat, off = fut.wait(), 0
+        for i in group:
+            out[i] = flat[off : off + grads[i][1].numel()].clone()
+            off += grads[i][1].numel()
+    return out
+
+
+def bucket_layouts(world, algorithm):
+    """The hook reduces by parameter: one bucket or several, in any order (DDP's rebuild, another
+    bucket_cap_mb), the results are bit-identical; the dense warm-up is the exact mean."""
     rank, P = world.Get_rank(), world.Get_size()
-    state = SparseHookState(world, algorithm, warmup_steps=0, density=0.5)
-    record = []
-    for n in (40, 40, 60, 60):
-        g = torch.from_numpy(
-            np.random.default_rng([n, rank, len(record)]).standard_normal(n).astype(np.float32)
-        )
-        fut = sparse_allreduce_hook(state, FakeBucket(0, g.clone(), True))
-        out = fut.wait()
-        ar = state.allreducers[0]
-        record.append(
-            {
-                "n": n,
-                "ar_n": ar.n,
-                "ar_id": id(ar),
-                "created": state.created,
-                "shape": list(out.shape),
-                "dtype": str(out.dtype),
-                "same_everywhere": _same_everywhere(world, out),
-            }
-        )
-    # The warm-up path: dense mean over ranks, exactly.
+    torch.manual_seed(5)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (30, 7, 50)]
+    model = torch.nn.ParameterList(params)
+    layouts = {"one": [[0, 1, 2]], "rebuilt": [[2], [1, 0]], "split": [[0], [1], [2]]}
+    runs = {}
+    for label, groups in layouts.items():
+        state = SparseHookState(world, algorithm, warmup_steps=0, density=0.3, model=model)
+        outs = []
+        for step in range(3):
+            rng = np.random.default_rng([step, rank])
+            grads = [
+                (p, torch.from_numpy(rng.standard_normal(p.numel()).astype(np.float32)))
+                for p in params
+            ]
+            # The first iteration in DDP's initial order, then the label's layout.
+            outs.append(_fake_step(state, grads, layouts["one"] if step == 0 else groups))
+        runs[label] = {
+            "bits": b"".join(o[i].numpy().tobytes() for o in outs for i in range(3)),
+            "created": state.created,
+            "steps": state.step,
+            "same_everywhere": _same_everywhere(world, torch.cat([outs[-1][i] for i in range(3)])),
+        }
     warm = SparseHookState(world, algorithm, warmup_steps=1, density=0.01)
-    g = torch.full((10,), float(rank + 1))
-    out = sparse_allreduce_hook(warm, FakeBucket(0, g, True)).wait()
-    expected = (P + 1) / 2
+    p = torch.nn.Parameter(torch.zeros(10))
+    out = _fake_step(warm, [(p, torch.full((10,), float(rank + 1)))], [[0]])[0]
     return {
-        "calls": record,
-        "warmup_mean_ok": bool(torch.all(out == expected)),
+        "equal": all(r["bits"] == runs["one"]["bits"] for r in runs.values()),
+        "created": [r["created"] for r in runs.values()],
+        "steps": [r["steps"] for r in runs.values()],
+        "same_everywhere": all(r["same_everywhere"] for r in runs.values()),
+        "warmup_mean_ok": bool(torch.all(out == (P + 1) / 2)),
         "warmup_created": warm.created,
     }
 
@@ -175,9 +199,9 @@ def reducer_writes_back(world, algorithm):
     frozen.requires_grad_(False)
     red = SparseGradientReducer(model.parameters(), world, algorithm, density=0.05)
     rng = np.random.default_rng([7, rank])
-    no_grad = model[2].bias  # a trainable parameter without a gradient this step
+    no_grad = model[2].bias  # without a gradient this step on rank 0 only: reduced
     for p in model.parameters():
-        if p.requires_grad and p is not no_grad:
+        if p.requires_grad and (p is not no_grad or rank != 0):
             p.grad = torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32))
     out = red.reduce()
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
@@ -195,6 +219,346 @@ def reducer_writes_back(world, algorithm):
     }
 
 
+# -- parameter-keyed state, unused / frozen / sparse parameters, dtypes, launch and options ----
+SPARSE_ALGORITHMS = [a for a in spardl.ALGORITHMS if a != "dense"]
+
+
+def _small_mlp(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(
+        dtype
+    )
+
+
+def _mlp_batches(rank, steps, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [
+        (torch.randn(8, 16, generator=g).to(dtype), torch.randn(8, 4, generator=g).to(dtype))
+        for _ in range(steps)
+    ]
+
+
+def _train_ddp(
+    world,
+    algorithm,
+    model,
+    batches,
+    *,
+    state=None,
+    opt_state=None,
+    cap=25.0,
+    keyed=True,
+    density=0.05,
+):
+    """DDP + hook over ``batches``; returns (model, optimizer, hook state)."""
+    net = DDP(model, bucket_cap_mb=cap)
+    hook = SparseHookState(
+        world, algorithm, warmup_steps=2, density=density, model=model if keyed else None
+    )
+    if state is not None:
+        hook.load_state_dict(state)
+    net.register_comm_hook(hook, sparse_allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    for xb, yb in batches:
+        opt.zero_grad()
+        F.mse_loss(net(xb).float(), yb.float()).backward()
+        opt.step()
+    return model, opt, hook
+
+
+def _train_reducer(world, algorithm, model, batches, density=0.05):
+    red = SparseGradientReducer(
+        model.named_parameters(), world, algorithm, warmup_steps=2, density=density
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for xb, yb in batches:
+        opt.zero_grad()
+        F.mse_loss(model(xb).float(), yb.float()).backward()
+        red.reduce()
+        opt.step()
+    return model, red
+
+
+def _roundtrip(obj):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf)  # weights_only=True
+
+
+def _bits(model):
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()]).numpy().tobytes()
+
+
+def _max_diff(a, b):
+    return max(
+        float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+def hook_resume(world, algorithm):
+    """Issue case 1: 3 steps, checkpoint, a fresh DDP + hook, 3 more steps vs 6 in one go; also
+    with positional keys (no model=), with another bucket_cap_mb on resume, and hook vs reducer."""
+    rank = world.Get_rank()
+    batches = _mlp_batches(rank, 6)
+    full, _, full_hook = _train_ddp(world, algorithm, _small_mlp(), batches)
+    out = {"n": sum(p.numel() for p in full.parameters()), "created": full_hook.created}
+    for label, keyed, cap in (
+        ("named", True, 25.0),
+        ("positional", False, 25.0),
+        ("other_cap", True, 0.0005),
+    ):
+        first, opt, hook = _train_ddp(world, algorithm, _small_mlp(), batches[:3], keyed=keyed)
+        ck = _roundtrip(
+            {"model": first.state_dict(), "opt": opt.state_dict(), "hook": hook.state_dict()}
+        )
+        again = _small_mlp(seed=9)  # other initial values: all of them come from the checkpoint
+        again.load_state_dict(ck["model"])
+        resumed, _, _ = _train_ddp(
+            world,
+            algorithm,
+            again,
+            batches[3:],
+            state=ck["hook"],
+            opt_state=ck["opt"],
+            cap=cap,
+            keyed=keyed,
+        )
+        out[label] = {
+            "bit_equal": _bits(resumed) == _bits(full),
+            "max_diff": _max_diff(resumed, full),
+        }
+    ref, red = _train_reducer(world, algorithm, _small_mlp(), batches)
+    out["hook_equals_reducer"] = _bits(ref) == _bits(full)
+    out["moved"] = _max_diff(full, _small_mlp())
+    res = full_hook.residuals()
+    out["residual_keys"] = sorted(res)
+    out["residual_nonzero"] = bool(any(np.any(v != 0) for v in res.values()))
+    out["same_everywhere"] = _same_everywhere(
+        world, torch.cat([p.detach().flatten() for p in full.parameters()])
+    )
+    return out
+
+
+class _Heads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = torch.nn.Linear(6, 8)
+        self.head1 = torch.nn.Linear(8, 3)
+        self.head2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x, use):
+        h = torch.relu(self.body(x))
+        return sum(getattr(self, name)(h).sum() for name in use)
+
+
+# Which heads each rank uses at each step: both, both, head1 only everywhere (head2 unused on
+# every rank), head2 on rank 1 only (used by some ranks: reduced).
+_USE = [("head1", "head2")] * 2 + [("head1",)] + [None]
+
+
+def _use(step, rank):
+    u = _USE[step]
+    return u if u is not None else (("head1", "head2") if rank == 1 else ("head1",))
+
+
+def unused_parameters(world, algorithm, kind):
+    """Issue case 2 (and 4 for the reducer): residual mass of parameters no rank used stays,
+    .grad of those stays None, conservation over every parameter."""
+    rank = world.Get_rank()
+    model = _Heads()
+    names = [k for k, _ in model.named_parameters()]
+    raw = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
+    applied = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
+
+    def capture(k):
+        def hook(grad):  # returns None: the gradient itself is left as it is
+            raw[k].add_(grad)
+
+        return hook
+
+    for k, p in model.named_parameters():
+        p.register_hook(capture(k))
+    if kind == "hook":
+        net = DDP(model, find_unused_parameters=True)
+        state = SparseHookState(world, algorithm, warmup_steps=0, density=0.1, model=model)
+        net.register_comm_hook(state, sparse_allreduce_hook)
+    else:
+        net = model
+        state = SparseGradientReducer(model.named_parameters(), world, algorithm, density=0.1)
+    g = torch.Generator().manual_seed(rank)
+    head2_before = head2_after = None
+    grads_none, shared = [], []
+    for step in range(len(_USE)):
+        model.zero_grad(set_to_none=True)
+        net(torch.randn(4, 6, generator=g), _use(step, rank)).backward()
+        if kind == "reducer":
+            state.reduce()
+        if step == 1:
+            head2_before = state.residuals()["head2.weight"].copy()
+        if step == 2:
+            head2_after = state.residuals()["head2.weight"].copy()
+            grads_none.append(model.head2.weight.grad is None and model.head2.bias.grad is None)
+        if step == 3:
+            shared.append(model.head2.weight.grad is not None)
+            if shared[-1]:
+                shared.append(_same_everywhere(world, model.head2.weight.grad))
+        for k, p in model.named_parameters():
+            if p.grad is not None:
+                applied[k] += p.grad
+    res = state.residuals()
+    lhs = np.concatenate([res[k] + applied[k].numpy().ravel() for k in names]).astype(np.float64)
+    rhs = np.concatenate([raw[k].numpy().ravel() for k in names]).astype(np.float64)
+    lhs, rhs = world.allreduce(lhs), world.allreduce(rhs)
+    return {
+        "head2_residual_kept": bool(np.array_equal(head2_before, head2_after)),
+        "head2_residual_nonzero": bool(np.any(head2_before != 0)),
+        "unused_grad_none": all(grads_none),
+        "some_ranks_reduced": all(shared),
+        "conservation_error": float(np.abs(lhs - rhs).max()),
+        "scale": float(np.abs(rhs).max()),
+    }
+
+
+def _outcome(world, fn):
+    """Run fn on every rank: ('ok', None) or (exception type, message) per rank."""
+    try:
+        fn()
+        mine = ("ok", "")
+    except (TypeError, ValueError) as e:
+        mine = (type(e).__name__, str(e))
+    return world.allgather(mine)
+
+
+def sparse_gradients(world, algorithm):
+    """Issue case 3: an Embedding(sparse=True) used by rank 1 only: a TypeError naming the
+    parameter on every rank (reducer and hook), no hang."""
+    rank = world.Get_rank()
+
+    def model():
+        torch.manual_seed(4)
+        return torch.nn.Sequential(torch.nn.Embedding(10, 3, sparse=True), torch.nn.Linear(3, 1))
+
+    def reducer_step():
+        m = model()
+        red = SparseGradientReducer(m.named_parameters(), world, algorithm, density=1.0)
+        if rank == 1:
+            m(torch.tensor([1, 2])).sum().backward()
+        else:
+            m[1](torch.ones(2, 3)).sum().backward()  # the embedding unused here
+        red.reduce()
+
+    def hook_step():
+        m = model()
+        net = DDP(m, find_unused_parameters=True)
+        st = SparseHookState(world, algorithm, warmup_steps=0, density=1.0, model=m)
+        net.register_comm_hook(st, sparse_allreduce_hook)
+        idx = torch.tensor([1, 2]) if rank == 1 else torch.tensor([3])
+        net(idx).sum().backward()
+
+    return {"reducer": _outcome(world, reducer_step), "hook": _outcome(world, hook_step)}
+
+
+def frozen_and_unused(world, algorithm):
+    """Issue case 4 (reducer): a parameter without a gradient on every rank and one frozen after
+    the reducer was built keep .grad None and do not move under SGD(weight_decay)."""
+    model = _Heads()
+    red = SparseGradientReducer(model.parameters(), world, algorithm, density=0.5)
+    model.head2.bias.requires_grad_(False)  # frozen after the reducer was built
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 6), ("head1",)).backward()  # head2 used by no rank
+        red.reduce()
+        opt.step()
+    after = dict(model.named_parameters())
+    return {
+        "head2_weight_grad_none": model.head2.weight.grad is None,
+        "frozen_grad_none": model.head2.bias.grad is None,
+        "head2_unmoved": bool(torch.equal(after["head2.weight"], before["head2.weight"])),
+        "frozen_unmoved": bool(torch.equal(after["head2.bias"], before["head2.bias"])),
+        "head1_moved": not torch.equal(after["head1.weight"], before["head1.weight"]),
+    }
+
+
+def low_precision(world, algorithm):
+    """Issue case 5: bfloat16 and float16 models through the hook: accumulated in float32, the
+    same parameters as the reducer's (bit for bit)."""
+    rank = world.Get_rank()
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        batches = _mlp_batches(rank, 4, dtype)
+        hooked, _, hook = _train_ddp(
+            world, algorithm, _small_mlp(dtype=dtype), batches, density=0.2
+        )
+        ref, _ = _train_reducer(world, algorithm, _small_mlp(dtype=dtype), batches, density=0.2)
+        out[str(dtype)] = {
+            "equal_to_reducer": _bits(hooked) == _bits(ref),
+            "dtype": str(next(hooked.parameters()).dtype),
+            "residual_dtype": str(hook.allreducer.residual.dtype),
+            "moved": _max_diff(hooked, _small_mlp(dtype=dtype)),
+        }
+    return out
+
+
+def launch_mismatch(world):
+    """Issue case 6: the hook's communicator is not DDP's process group (as under torchrun, where
+    each process's COMM_WORLD has size 1): an error on every rank at the first call."""
+    from mpi4py import MPI
+
+    def step():
+        m = _small_mlp()
+        net = DDP(m)
+        st = SparseHookState(MPI.COMM_SELF, "topka", warmup_steps=0, density=0.5)
+        net.register_comm_hook(st, sparse_allreduce_hook)
+        F.mse_loss(net(torch.ones(2, 16)), torch.zeros(2, 4)).backward()
+
+    return _outcome(world, step)
+
+
+def option_errors(world, algorithm):
+    """Issue case 7: bad options fail at construction on every rank, also when only one rank's
+    options are bad, with make's messages; unknown options list every accepted one."""
+    rank = world.Get_rank()
+    m = _small_mlp()
+    cases = {
+        "misspelt": {"densty": 0.01},
+        "range_on_rank1": {"density": 5.0 if rank == 1 else 0.5},
+    }
+    out = {}
+    for label, opts in cases.items():
+        out[label] = {
+            "hook": _outcome(world, lambda o=opts: SparseHookState(world, algorithm, **o)),
+            "reducer": _outcome(
+                world, lambda o=opts: SparseGradientReducer(m.parameters(), world, algorithm, **o)
+            ),
+        }
+    out["SparDL"] = _outcome(world, lambda: SparseHookState(world, "SparDL"))
+    return out
+
+
+def issue_checks(world):
+    torch.manual_seed(0)
+    out = {"launch_mismatch": launch_mismatch(world)}
+    for algorithm in SPARSE_ALGORITHMS:
+        out[algorithm] = {
+            "resume": hook_resume(world, algorithm),
+            "unused_hook": unused_parameters(world, algorithm, "hook"),
+            "unused_reducer": unused_parameters(world, algorithm, "reducer"),
+            "sparse": sparse_gradients(world, algorithm),
+            "frozen": frozen_and_unused(world, algorithm),
+            "low_precision": low_precision(world, algorithm),
+            "options": option_errors(world, algorithm),
+        }
+    return out
+
+
 def main(out_path, algorithm, world):
     torch.set_num_threads(1)
     init_process_group_from_mpi(world)
@@ -206,8 +570,9 @@ def main(out_path, algorithm, world):
         "algorithm": algorithm,
         "ddp_dense_equivalence": ddp_matches_allreduce(world, algorithm),
         "ddp_sparse_trains": ddp_sparse_trains(world, algorithm),
-        "bucket_resize": bucket_resize(world, algorithm),
+        "bucket_layouts": bucket_layouts(world, algorithm),
         "reducer": reducer_writes_back(world, algorithm),
+        "issue": issue_checks(world),
     }
     oks = world.allgather(results["rank_matches_mpi"])
     results["rank_matches_mpi"] = all(oks)
