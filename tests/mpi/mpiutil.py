@@ -26,6 +26,49 @@ def pytest_runtest_makereport(item, call):
         MPI.COMM_WORLD.Abort(1)
 
 
+_OUTCOMES = {"passed": 0, "skipped": 0, "failed": 0, "skips": []}
+
+
+def _skip_reason(rep) -> str:
+    lr = rep.longrepr
+    reason = lr[2] if isinstance(lr, tuple) and len(lr) == 3 else str(lr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_runtest_logreport(report):
+    """Count this rank's outcomes (for the report file, see :func:`pytest_sessionfinish`)."""
+    if report.skipped:
+        _OUTCOMES["skipped"] += 1
+        _OUTCOMES["skips"].append([report.nodeid, _skip_reason(report)])
+    elif report.failed:
+        _OUTCOMES["failed"] += 1
+    elif report.when == "call":
+        _OUTCOMES["passed"] += 1
+
+
+def pytest_collectreport(report):
+    """A file skipped as a whole (``pytest.skip(allow_module_level=True)``) counts as a skip."""
+    if report.skipped:
+        _OUTCOMES["skipped"] += 1
+        _OUTCOMES["skips"].append([report.nodeid, _skip_reason(report)])
+    elif report.failed:
+        _OUTCOMES["failed"] += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With ``SPARDL_PYTEST_REPORT=<path>``, write this rank's counts to ``<path>.<rank>`` as
+    JSON (passed, skipped, failed, skips: [node id, reason]) for the runner outside mpiexec
+    (tests/mpirun.py), which cannot read P interleaved terminal outputs reliably."""
+    path = os.environ.get("SPARDL_PYTEST_REPORT")
+    if not path:
+        return
+    import json
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump({**_OUTCOMES, "exitstatus": int(exitstatus)}, f)
+
+
 @pytest.fixture
 def comm():
     """The world communicator (every rank runs every test)."""

@@ -13,5 +13,12 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "mpi"))
 
 
-# The abort-on-failure hook and the `comm` fixture, shared by every folder run on every rank.
-from mpiutil import comm, pytest_runtest_makereport  # noqa: E402, F401
+# The abort-on-failure hook, the outcome report (for tests/mpirun.py) and the `comm` fixture,
+# shared by every folder run on every rank.
+from mpiutil import (  # noqa: E402, F401
+    comm,
+    pytest_collectreport,
+    pytest_runtest_logreport,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+)
