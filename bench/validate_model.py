@@ -70,11 +70,23 @@ def _mpiexec() -> str:
     return str(here) if here.exists() else "mpiexec"
 
 
-def _spawn(P: int, args: list[str], timeout: float) -> None:
+def _spawn(P: int, args: list[str], timeout: float, bandwidth: str | None = None) -> None:
+    """``mpiexec -n P python ARGS`` on shared memory, or on P emulated nodes (one rank each)
+    linked at ``bandwidth`` (``spardl cluster``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_"))}
     env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [_mpiexec(), "-n", str(P), sys.executable, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True)
+    if bandwidth is None:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, timeout=timeout, capture_output=True, text=True
+        )
+    else:
+        from spardl.cluster import Cluster
+
+        with Cluster(P, bandwidth=bandwidth) as cl:
+            proc = cl.run(
+                [sys.executable, *args], timeout=timeout, cwd=ROOT, capture_output=True, text=True
+            )
     if proc.returncode != 0:
         raise RuntimeError(
             f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
@@ -178,8 +190,12 @@ def _parse_P(text):
     return out
 
 
-def predict_rows(fit, measured, cores):
-    """Rows of (algorithm, P, measured, predicted, error) from the fit and the measurements."""
+def predict_rows(fit, measured, cores, links=False):
+    """Rows of (algorithm, P, measured, predicted, error) from the fit and the measurements.
+
+    With ``links`` (one rank per emulated node), each rank's messages cross its own shaped
+    link: the wire time is not stretched by ranks sharing a core, only the local work is
+    (t_A = t_local + replay + control; t_B = s(P)·W_max + replay + control)."""
     from spardl import cost_model
 
     out = []
@@ -198,10 +214,11 @@ def predict_rows(fit, measured, cores):
             comm_ab = cost_model.replay(r["traces"], fit["alpha"], fit["beta"], 0.0) + control_s
             s = float(math.ceil(P / cores))
             local = float(median(r["local_times"]))
-            pred = local + s * comm_s
+            wire = 1.0 if links else s
+            pred = local + wire * comm_s
             steps = list(zip(*r["work"], strict=True))  # per step: every rank's work
             w_max = float(median([max(w) for w in steps]))
-            pred_b = s * (w_max + comm_ab)
+            pred_b = s * w_max + wire * comm_ab
             meas = float(median(r["times"]))
             row = {
                 "algorithm": alg,
@@ -297,6 +314,12 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300, help="per mpiexec, seconds")
     ap.add_argument("--out", help="write fit, rows and environment as JSON")
+    ap.add_argument(
+        "--bandwidth",
+        default=None,
+        help="cluster mode: every job on emulated nodes (one rank each) with links of this rate "
+        "(tc syntax, e.g. 1gbit; needs root); the ping-pong then fits the link",
+    )
     ap.add_argument("--worker", choices=["pingpong", "measure"], help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -316,7 +339,12 @@ def main(argv=None):
     cores = _cores()
     me = str(Path(__file__).resolve())
     with tempfile.TemporaryDirectory() as tmp:
-        _spawn(2, [me, "--worker", "pingpong", "--worker-out", f"{tmp}/fit.json"], a.timeout)
+        _spawn(
+            2,
+            [me, "--worker", "pingpong", "--worker-out", f"{tmp}/fit.json"],
+            a.timeout,
+            a.bandwidth,
+        )
         fit = json.loads(Path(f"{tmp}/fit.json").read_text())
         measured = {}
         common = [
@@ -333,14 +361,16 @@ def main(argv=None):
         ]
         for P in Ps:
             out = f"{tmp}/P{P}.json"
-            _spawn(P, [me, "--worker", "measure", "--worker-out", out, *common], a.timeout)
+            bw = a.bandwidth if P > 1 else None  # P = 1 sends nothing: no link needed
+            _spawn(P, [me, "--worker", "measure", "--worker-out", out, *common], a.timeout, bw)
             measured[P] = json.loads(Path(out).read_text())
             print(f"# measured P={P}", file=sys.stderr, flush=True)
-    rows = predict_rows(fit, measured, cores)
+    rows = predict_rows(fit, measured, cores, links=a.bandwidth is not None)
     print(f"# {' '.join(['python', *sys.argv])}")
     print(
         f"# host {platform.node()}, {cores} cores, {platform.processor() or platform.machine()}"
         f"; n={a.n}, density={a.density}, repeat={a.repeat}, warmup={a.warmup}"
+        + (f"; emulated nodes, {a.bandwidth} links" if a.bandwidth else "; shared memory")
     )
     print(
         f"# fit: alpha={fit['alpha']:.3e} s, beta={fit['beta']:.3e} s/B, "
@@ -367,6 +397,7 @@ def main(argv=None):
                     "argv": sys.argv,
                     "n": a.n,
                     "density": a.density,
+                    "bandwidth": a.bandwidth,
                 },
                 indent=1,
             )

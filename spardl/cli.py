@@ -92,34 +92,53 @@ def _cmd_train(args) -> int:
 
 
 # -- demo --------------------------------------------------------------------------------------
-def launch_train(world_size: int, train_args: list[str], timeout: float) -> float:
+def launch_train(
+    world_size: int, train_args: list[str], timeout: float, bandwidth: str | None = None
+) -> float:
     """Run ``mpiexec -n P python -m spardl train ARGS``; returns its wall time in seconds.
+
+    Parameters
+    ----------
+    world_size : int
+        P.
+    train_args : list of str
+        Arguments of ``spardl train``.
+    timeout : float
+        Seconds.
+    bandwidth : str, optional
+        Run on P emulated nodes (one rank each) whose links have this rate, in ``tc`` syntax
+        (:class:`spardl.cluster.Cluster`; needs root or CAP_NET_ADMIN). Shared memory if None.
 
     Raises
     ------
     RuntimeError
         If the job exits non-zero or runs past ``timeout`` seconds.
     """
-    cmd = [
-        mpiexec_path(),
-        "-n",
-        str(world_size),
-        sys.executable,
-        "-m",
-        "spardl",
-        "train",
-        *train_args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    print("$ " + " ".join(cmd[0:1] + cmd[1:3] + ["python"] + cmd[4:]), flush=True)
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"training job timed out after {timeout:g} s") from e
+    command = [sys.executable, "-m", "spardl", "train", *train_args]
+    shown = " ".join(["python", *command[1:]])
+    if bandwidth is not None:
+        from .cluster import Cluster
+
+        print(f"$ spardl cluster run --nodes {world_size} --bandwidth {bandwidth} -- {shown}")
+        with Cluster(world_size, bandwidth=bandwidth) as cl:
+            t0 = time.perf_counter()
+            proc = cl.run(command, timeout=timeout)
+            wall = time.perf_counter() - t0
+        if proc.returncode == 124:
+            raise RuntimeError(f"training job timed out after {timeout:g} s")
+    else:
+        cmd = [mpiexec_path(), "-n", str(world_size), *command]
+        env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        print(f"$ mpiexec -n {world_size} {shown}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"training job timed out after {timeout:g} s") from e
+        wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"training job exited with code {proc.returncode}")
-    return time.perf_counter() - t0
+    return wall
 
 
 def add_demo(sub) -> None:
@@ -141,6 +160,15 @@ def add_demo(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     p.add_argument("--out", type=Path, default=Path("runs"), help="default: %(default)s")
     p.add_argument("--timeout", type=POSITIVE_FLOAT, default=900, help="per run, seconds")
+    from .cluster_cli import rate_type
+
+    p.add_argument(
+        "--bandwidth",
+        type=rate_type,
+        default=None,
+        help="run across P emulated nodes (one rank each) whose links have this rate, tc syntax "
+        "(1gbit, 100mbit); needs root or CAP_NET_ADMIN (spardl cluster check)",
+    )
     p.set_defaults(func=_cmd_demo)
 
 
@@ -154,11 +182,20 @@ def _cmd_demo(args) -> int:
         ("spardl", ["--algorithm", "spardl", "--density", str(args.density)]),
         ("dense", ["--algorithm", "dense"]),
     ]
+    bandwidth = getattr(args, "bandwidth", None)
+    if bandwidth is not None:
+        from .cluster import check_quick
+
+        problem = check_quick()
+        if problem:
+            print(f"spardl demo: error: --bandwidth: {problem}", file=sys.stderr)
+            return 2
     rows = []
     for name, extra in runs:
         out = args.out / f"{name}-P{args.world_size}"
+        train_args = [*extra, *common, "--out", str(out)]
         try:
-            wall = launch_train(args.world_size, [*extra, *common, "--out", str(out)], args.timeout)
+            wall = launch_train(args.world_size, train_args, args.timeout, bandwidth)
         except (RuntimeError, FileNotFoundError) as e:
             print(f"spardl demo: {name}: {e}", file=sys.stderr)
             return 1
@@ -167,7 +204,12 @@ def _cmd_demo(args) -> int:
     print()
     print(
         f"P = {args.world_size}, seed {args.seed}, {rows[0][1]['epochs']} epochs, "
-        f"{rows[0][1]['n_params']} parameters"
+        f"{rows[0][1]['n_params']} parameters, "
+        + (
+            f"{args.world_size} emulated nodes with {bandwidth} links"
+            if bandwidth
+            else "shared memory"
+        )
     )
     head = (
         f"{'algorithm':<10} {'density':>8} {'test acc':>9} {'MB sent/rank':>13} "

@@ -16,10 +16,11 @@ import signal
 import sys
 from pathlib import Path
 
-__all__ = ["add_cluster"]
+__all__ = ["add_cluster", "rate_type", "time_type"]
 
 
-def _rate(text: str) -> str:
+def rate_type(text: str) -> str:
+    """argparse ``type=`` for a link rate in ``tc`` syntax (checked, kept as text)."""
     from .cluster import parse_rate
 
     try:
@@ -29,7 +30,8 @@ def _rate(text: str) -> str:
     return text
 
 
-def _time(text: str) -> str:
+def time_type(text: str) -> str:
+    """argparse ``type=`` for a time in ``tc`` syntax (checked, kept as text)."""
     from .cluster import parse_time
 
     try:
@@ -62,13 +64,13 @@ def add_cluster(sub) -> None:
     r.add_argument("--ranks-per-node", "-R", type=POSITIVE_INT, default=1, help="R (default 1)")
     r.add_argument(
         "--bandwidth",
-        type=_rate,
+        type=rate_type,
         default="1gbit",
         help="each node's link rate, tc syntax: 100mbit, 1gbit, 10gbit (default %(default)s)",
     )
     r.add_argument(
         "--latency",
-        type=_time,
+        type=time_type,
         default=None,
         help="added one-way delay, tc syntax (50us, 1ms); needs the netem qdisc",
     )
