@@ -16,6 +16,7 @@ from mpiutil import assert_identical_everywhere, conservation_error
 
 import spardl
 
+#: float16: dense keeps no residual, so only its output's float16 rounding (see `conserves`).
 TOL = {np.float16: 2e-3, np.float32: 2e-6, np.float64: 1e-13}
 
 
@@ -56,7 +57,10 @@ class AllreduceSteps(RuleBasedStateMachine):
     @invariant()
     def conserves(self):
         if hasattr(self, "ar"):
-            assert self.last_error <= TOL[self.dtype], self.last_error
+            tol = TOL[self.dtype]
+            if self.dtype == np.float16 and self.ar.rounding_feedback:
+                tol = 1e-6  # the rounding remainders are kept: float32 rounding only
+            assert self.last_error <= tol, self.last_error
 
 
 TestAllreduceSteps = AllreduceSteps.TestCase
