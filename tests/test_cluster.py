@@ -249,3 +249,25 @@ def test_check_reports_every_requirement():
     for want in ("privileges", "ip", "tc", "unshare", "mpiexec", "netem (optional)"):
         assert want in names
     assert found.ok == (not found.problems())
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_two_clusters_at_once_do_not_collide():
+    """Two runs at the same time (same addresses inside, different namespaces): each job sees
+    only its own nodes, and each run removes only what it created."""
+    body = (
+        "import socket; from mpi4py import MPI; "
+        "names = MPI.COMM_WORLD.gather(socket.gethostname()); "
+        "print(' '.join(names or []))"
+    )
+    with cluster.Cluster(2) as a, cluster.Cluster(2) as b:
+        assert a.prefix != b.prefix
+        pa = a.run([sys.executable, "-c", body], timeout=120, capture_output=True, text=True)
+        pb = b.run([sys.executable, "-c", body], timeout=120, capture_output=True, text=True)
+        assert pa.returncode == 0 and pb.returncode == 0, pa.stderr + pb.stderr
+        assert sorted(pa.stdout.split()) == a.node_names
+        assert sorted(pb.stdout.split()) == b.node_names
+        b.destroy()
+        assert set(a.node_names) <= set(cluster._namespaces())
+        assert not set(b.node_names) & set(cluster._namespaces())
