@@ -356,7 +356,9 @@ def run(args, world) -> dict | None:
 
         init_process_group_from_mpi(world)
         warm = 2 if args.warmup_steps is None else args.warmup_steps
-        hook_state = SparseHookState(world, args.algorithm, warmup_steps=warm, **options)
+        hook_state = SparseHookState(
+            world, args.algorithm, warmup_steps=warm, model=model, **options
+        )
         net = DDP(model)
         net.register_comm_hook(hook_state, sparse_allreduce_hook)
         reducer = None
@@ -364,7 +366,7 @@ def run(args, world) -> dict | None:
     else:
         warm = 0 if args.warmup_steps is None else args.warmup_steps
         reducer = SparseGradientReducer(
-            model.parameters(), world, args.algorithm, warmup_steps=warm, **options
+            model.named_parameters(), world, args.algorithm, warmup_steps=warm, **options
         )
         net = model
         stats = reducer.stats

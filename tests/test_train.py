@@ -125,6 +125,34 @@ def test_resume_equals_uninterrupted_bit_for_bit(one_epoch, runs):
         assert [h["loss"] for h in full["history"]] == [h["loss"] for h in res["history"]]
 
 
+def test_ddp_hook_resume_equals_uninterrupted_bit_for_bit(runs):
+    """--hook ddp: a fresh DDP after --resume (its first iteration in DDP's initial bucket
+    order) continues bit for bit, as the reducer does."""
+    ddp = [*COMMON, "--hook", "ddp", "--epochs", "2", "--warmup-steps", "2"]
+    run_mpi(2, [*ddp, "--stop-after", "1", "--checkpoint", str(runs / "d1")], timeout=240, env=ENV)
+    run_mpi(2, [*ddp, "--checkpoint", str(runs / "dfull")], timeout=240, env=ENV)
+    run_mpi(
+        2,
+        [*ddp, "--resume", str(runs / "d1"), "--checkpoint", str(runs / "dres")],
+        timeout=240,
+        env=ENV,
+    )
+    for r in range(2):
+        full = _load(runs / f"dfull.rank{r}.pt")
+        res = _load(runs / f"dres.rank{r}.pt")
+        assert full["epoch"] == res["epoch"] == 2
+        for name, t in full["model"].items():
+            assert torch.equal(t, res["model"][name]), f"rank {r}: parameter {name} differs"
+        ar_full, ar_res = full["reducer"]["allreducer"], res["reducer"]["allreducer"]
+        assert ar_full["step"] == ar_res["step"] > 0
+        assert torch.equal(ar_full["residual"], ar_res["residual"])
+        assert abs(ar_full["residual"]).max() > 0
+        assert full["reducer"]["keys"] == [
+            k for k in full["model"] if k.endswith(("weight", "bias"))
+        ]
+        assert [h["loss"] for h in full["history"]] == [h["loss"] for h in res["history"]]
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [
