@@ -386,7 +386,8 @@ class _Core:
 
 
 class SparseHookState:
-    """State of :func:`sparse_allreduce_hook`.
+    """State of :func:`sparse_allreduce_hook`: one allreducer over the model's gradient, with
+    residuals kept by parameter.
 
     The hook gathers every bucket of an iteration and reduces the whole model's gradient as one
     vector, laid out by parameter (the order of ``model.parameters()`` when ``model`` is given,
