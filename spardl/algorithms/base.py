@@ -284,6 +284,16 @@ class Allreducer:
             On every rank, if any rank's ``grad`` is invalid or the ranks' calls disagree.
         NonFiniteError
             With ``nonfinite="raise"``, on every rank when the reduced values are not finite.
+
+        Notes
+        -----
+        A call that raises, or is dropped by ``nonfinite="skip"``, leaves the allreducer's
+        state (everything :meth:`state_dict` holds) as it was, on every rank.
+
+        float16 gradients are summed in float32 and the output rounded once to float16,
+        clamped to ±65504 rather than inf; with a residual, each output value's rounding
+        remainder goes into the residual of the rank owning that index's block
+        (:meth:`_round_keeping_remainder`), so nothing is lost to float16's precision.
         """
         # A step is a transaction: one that raises (bad input, disagreement, NonFiniteError, a
         # fault) or is skipped leaves the whole state (what state_dict holds) as it was, on

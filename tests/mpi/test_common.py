@@ -160,7 +160,8 @@ def test_c7_mismatched_call_raises_everywhere(comm, algorithm):
 
 @pytest.mark.parametrize("algorithm", ALGS)
 def test_c8_nan_raises_everywhere_and_applies_nothing(comm, algorithm):
-    """C8: one NaN on rank 0 raises NonFiniteError on every rank; residuals unchanged."""
+    """C8: one NaN on rank 0 raises NonFiniteError on every rank; residuals unchanged (the
+    whole state: tests/mpi/test_transactions.py)."""
     n = 64
     ar = spardl.make(algorithm, comm, n, density=0.1)
     ar(grads_for(comm, n, np.float32, seed=8)[comm.rank])
