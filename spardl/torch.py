@@ -144,8 +144,9 @@ def _validate_options(ctl: Comm, algorithm, options: dict, err=None, hook=False)
     """Collective: every rank raises the same error if any rank's algorithm or options are bad.
 
     Unknown options are named with the full list of accepted ones (common and the algorithm's
-    own); the values are then checked by building a small allreducer with :func:`spardl.make`, so
-    the messages are make's own.
+    own). For the hook (whose n is known only at its first call) the values are then checked by
+    building a small allreducer with :func:`spardl.make`, so the messages are make's own; the
+    reducer builds its real allreducer right after this.
     """
     from . import ALGORITHMS
 
@@ -154,28 +155,22 @@ def _validate_options(ctl: Comm, algorithm, options: dict, err=None, hook=False)
         accepted = set(_COMMON_OPTIONS) | set(cls.options)
         if hook:
             accepted.discard("op")
-            if "op" in options:
-                err = TypeError("op is fixed to 'mean' for a DDP hook; do not pass it")
-        unknown = sorted(set(options) - accepted - {"op"} if hook else set(options) - accepted)
-        if err is None and unknown:
+        unknown = sorted(set(options) - accepted - ({"op"} if hook else set()))
+        if hook and "op" in options:
+            err = TypeError("op is fixed to 'mean' for a DDP hook; do not pass it")
+        elif unknown:
             err = TypeError(
                 f"{algorithm}: unknown option(s) {unknown}; accepted: {sorted(accepted)}"
             )
     described = {"algorithm": repr(algorithm), "options": repr(sorted(options))}
     collective_check(ctl, err, [name_hash(described["options"])], described)
+    if not hook:
+        return
     # The values: make's own checks and messages (unknown algorithm included), on every rank.
-    probe = make(
-        algorithm,
-        ctl,
-        max(1, ctl.size),
-        op="mean" if hook else options.get("op", "mean"),
-        **{k: v for k, v in options.items() if k != "op"},
-    )
-    for sub in {
-        id(c): c for c in (getattr(probe, "_team", None), getattr(probe, "_cross", None))
-    }.values():
+    probe = make(algorithm, ctl, max(1, ctl.size), op="mean", **options)
+    for sub in (getattr(probe, "_team", None), getattr(probe, "_cross", None)):
         if sub is not None and sub is not ctl:
-            sub.free()
+            sub.free()  # SparDL's team communicators (teams > 1)
 
 
 _ANNOUNCED = False
@@ -292,9 +287,7 @@ class _Core:
             res = ar.residual  # the allreducer's own host array: restored in place
             for a, b, v in keep:
                 res[a:b] = v
-        out.to_dense(out=buf)
-        if self.flat.is_cuda:  # pragma: no cover - the flat buffer lives on the host for now
-            self.flat.copy_(torch.from_numpy(buf))
+        out.to_dense(out=buf)  # the flat buffer lives on the host (GPU residency: not yet)
         self.step += 1
         return out
 
@@ -400,7 +393,8 @@ class SparseHookState:
     ----------
     comm : mpi4py.MPI.Intracomm
         The communicator the sparse allreduce runs over (duplicated inside); the same ranks as
-        DDP's process group, checked at the first call (launch with ``mpiexec``, not torchrun).
+        DDP's process group, checked against the default process group (size and rank) at the
+        first call: launch with ``mpiexec``, not torchrun.
     algorithm : str, default "spardl"
         A key of :data:`spardl.ALGORITHMS`.
     warmup_steps : int, default 2
