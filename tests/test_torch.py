@@ -305,3 +305,28 @@ def test_first_compilation_is_announced_once(monkeypatch, capsys):
     monkeypatch.setattr(st, "_kernels_cached", lambda: True)
     st._announce_compile(0)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("algorithm", ["spardl", "oktopk"])
+def test_hook_resume_is_bit_for_bit_on_one_rank(tmp_path, algorithm):
+    """The resume case on one rank (P = 1), in this process: a one-rank gloo group."""
+    import importlib.util
+
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    spec = importlib.util.spec_from_file_location("torch_checks", ROOT / SCRIPT)
+    checks_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks_mod)
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        r = checks_mod.hook_resume(MPI.COMM_SELF, algorithm)
+    finally:
+        dist.destroy_process_group()
+    for label in ("named", "positional", "other_cap"):
+        assert r[label]["bit_equal"], (label, r[label]["max_diff"])
+    assert r["hook_equals_reducer"] and r["residual_nonzero"]

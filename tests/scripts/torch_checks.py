@@ -58,7 +58,7 @@ def ddp_matches_allreduce(world, algorithm):
         float((a - b).detach().abs().max())
         for a, b in zip(ref_model.parameters(), hook_model.parameters(), strict=True)
     ]
-    scale = max(float(p.abs().max()) for p in ref_model.parameters())
+    scale = max(float(p.detach().abs().max()) for p in ref_model.parameters())
     moved = max(
         float((a - b).detach().abs().max())
         for a, b in zip(
@@ -296,7 +296,8 @@ def _bits(model):
 
 def _max_diff(a, b):
     return max(
-        float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True)
+        float((p - q).detach().abs().max())
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
     )
 
 
