@@ -116,6 +116,24 @@ def test_spardl_float16_and_checkpoint(comm):
     assert bits(again.residual) == bits(host.residual)
 
 
+@pytest.mark.parametrize("name", ["topka", "gaussiank", "oktopk"])
+def test_float16_rounding_remainders_match_host(comm, name):
+    """float16 outputs that underflow (or round) keep their remainders in the owner's residual
+    on the device too, bit for bit as on the host (the sums go through the host, O(nnz))."""
+    host = spardl.make(name, comm, N, density=0.25)
+    dev = spardl.make(name, comm, N, density=0.25)
+    for step in range(STEPS):
+        g = grad(comm, step, np.float16) * np.float16(1e-7) if step else np.zeros(N, np.float16)
+        if comm.rank == 0:
+            g[:10] = np.float16(1.19e-7)
+        out_h = host(g)
+        out_d = dev(cuda.to_device(g))
+        assert A.is_device(out_d.values) and A.is_device(dev.residual)
+        assert bits(out_d.indices) == bits(out_h.indices)
+        assert bits(out_d.values) == bits(out_h.values)
+        assert bits(dev.residual) == bits(host.residual)
+
+
 def test_cuda_aware_path_matches_staged(comm, monkeypatch):
     """Device buffers handed to MPI directly (the CUDA-aware path) give the same bytes as the
     pinned-buffer staging."""
