@@ -472,8 +472,10 @@ class SparseHookState:
                 p.register_hook(self._mark(id(p)))
 
     def _mark(self, key):
+        used = self._used  # not self: the model's hooks do not keep this state alive
+
         def hook(grad):
-            self._used[key] = True
+            used[key] = True
 
         return hook
 
