@@ -126,6 +126,18 @@ def test_threshold_zero_data_and_k_zero():
     assert idx.dtype == np.int64 and len(idx) == 0 and vals.dtype == np.float32
 
 
+def test_threshold_selects_everything_when_k_is_n():
+    """k = len(x) (density 1) is exact on every call: a reused threshold would drop entries
+    smaller than the last step's smallest."""
+    sel = ThresholdSelector(interval=8)
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        x = rng.standard_normal(20).astype(np.float32) * rng.choice([1e-3, 1.0, 1e3])
+        idx, vals = sel.select(x, 20)
+        np.testing.assert_array_equal(idx, np.arange(20))
+        np.testing.assert_array_equal(vals, x)
+
+
 def test_threshold_nan_is_selected():
     sel = ThresholdSelector(interval=2)
     x = np.linspace(-1, 1, 100)
