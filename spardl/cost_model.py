@@ -289,7 +289,7 @@ def spardl(
     Notes
     -----
     Zhao et al., "SparDL", arXiv 2304.00737, Sec. 4 (SRS, SAG; cost analysis of Sec. 4.2-4.3)
-    and DESIGN.md §4 (one packed message per round).
+    and docs/design.md §4 (one packed message per round).
     """
     _check(P, n, k)
     if isinstance(d, bool) or not isinstance(d, int) or d < 1 or P % d:

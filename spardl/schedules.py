@@ -80,7 +80,7 @@ def srs_schedule(P: int, rank: int) -> list[Round]:
     Notes
     -----
     SparDL, Zhao et al., arXiv 2304.00737, Sec. 4.1 (Spar-Reduce-Scatter, the non-power-of-two
-    case handled by a first round of size P − 2^(R−1)); DESIGN.md §4.
+    case handled by a first round of size P − 2^(R−1)); docs/design.md §4.
     """
     _check(P, rank)
     R = num_rounds(P)

@@ -105,7 +105,7 @@ class Selector:
 class ExactSelector(Selector):
     """The exact top-k by magnitude (``spardl_kernels.topk_abs``); stateless.
 
-    Ties go to the lower index and NaN ranks above +inf (DESIGN.md §3), so every rank agrees.
+    Ties go to the lower index and NaN ranks above +inf (docs/design.md §3), so every rank agrees.
     ``max_count(k) = k``.
     """
 

@@ -1,4 +1,4 @@
-"""spardl_kernels: the compute kernels of sparse gradient communication (DESIGN.md §3).
+"""spardl_kernels: the compute kernels of sparse gradient communication (docs/design.md §3).
 
 Twelve functions on 1-D arrays: selection by magnitude (``topk_abs``, ``kth_largest_abs``,
 ``select_above``, ``count_above``, ``estimate_threshold``), sparse-vector arithmetic

@@ -1,4 +1,4 @@
-"""Argument checks of the kernel contract (DESIGN.md §3), shared by the CPU and CUDA kernels.
+"""Argument checks of the kernel contract (docs/design.md §3), shared by the CPU and CUDA kernels.
 
 Every function here takes metadata (a name, an ``ndim``, a ``dtype``, a length, a Python
 number), never array data, so the CUDA twins can call them on device arrays without copying.

@@ -1,7 +1,7 @@
 """Slow, obviously correct NumPy references of every kernel in ``spardl_kernels``.
 
 Same names and signatures as the kernels; no validation beyond what the formulas need. Each one
-spells out the contract of DESIGN.md §3 as directly as possible, so a fast kernel is tested by
+spells out the contract of docs/design.md §3 as directly as possible, so a fast kernel is tested by
 comparing with it bit for bit.
 """
 

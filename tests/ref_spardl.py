@@ -1,4 +1,4 @@
-"""A slow, obviously correct single-process reference of one SparDL step (DESIGN.md §4).
+"""A slow, obviously correct single-process reference of one SparDL step (docs/design.md §4).
 
 All P ranks are simulated in one loop with the NumPy references of ``tests/naive.py``. The
 reduce-scatter tree is written here straight from the DESIGN text (not from ``spardl.schedules``),

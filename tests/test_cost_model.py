@@ -32,7 +32,7 @@ def test_costs_grow_with_P(algorithm):
 
 
 def test_spardl_one_team_is_4k_and_below_oktopk_bound():
-    """SparDL d = 1 sends ≈ 4k(P−1)/P words, below Ok-Topk's 6k(P−1)/P (DESIGN.md §1)."""
+    """SparDL d = 1 sends ≈ 4k(P−1)/P words, below Ok-Topk's 6k(P−1)/P (docs/design.md §1)."""
     n, rho = 1 << 20, 0.01
     k = cm.budget(rho, n)
     for P in (2, 4, 8, 16, 32, 64):

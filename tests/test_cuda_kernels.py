@@ -375,7 +375,7 @@ def test_block_offsets_matches_searchsorted():
 
 
 # ---------------------------------------------------------------------------------------------
-# the cases of shared/cases/kernels.md, on the GPU through the public dispatcher
+# the cases of docs/design.md §9, on the GPU through the public dispatcher
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The cases K1..K12 of shared/cases/kernels.md, each with the answer DESIGN.md §3 requires."""
+"""The cases K1..K12 of docs/design.md §9, each with the answer docs/design.md §3 requires."""
 
 import numpy as np
 import pytest
@@ -93,6 +93,6 @@ def test_K12_uneven_final_block():
 
 
 def test_fixed_order_sum_float32():
-    # DESIGN.md §3: coalescing float32 [1e8, 1, -1e8] at one index gives exactly 0.0
+    # docs/design.md §3: coalescing float32 [1e8, 1, -1e8] at one index gives exactly 0.0
     i, v = sk.coalesce(np.array([7, 7, 7]), np.array([1e8, 1, -1e8], np.float32))
     assert i.tolist() == [7] and v.tolist() == [0.0] and v.dtype == np.float32

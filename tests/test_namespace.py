@@ -1,4 +1,4 @@
-"""The public surface of spardl_kernels is exactly the twelve kernels of DESIGN.md §3."""
+"""The public surface of spardl_kernels is exactly the twelve kernels of docs/design.md §3."""
 
 import sys
 

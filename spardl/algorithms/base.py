@@ -98,7 +98,7 @@ class Allreducer:
     op : {"mean", "sum"}, default "mean"
         The reduction.
     residual : {"global", "local", "none"}, default "global"
-        Error feedback. "global": nothing is lost (the conservation invariant of DESIGN.md §4);
+        Error feedback. "global": nothing is lost (the conservation invariant of docs/design.md §4);
         "local": a rank forgets what it sent even if it was dropped downstream (an ablation);
         "none": no error feedback at all.
     nonfinite : {"raise", "skip", "propagate"}, default "raise"

@@ -1,7 +1,8 @@
 """Helpers shared by the sparse algorithms: error-feedback bookkeeping and the all-gather + sum.
 
-Error feedback (DESIGN.md §4). Each rank keeps a dense residual E of length n. With X = g + E_old
-and ``sent`` the (indices, values) this rank contributed, the modes of ``residual=`` are
+Error feedback (docs/design.md §4). Each rank keeps a dense residual E of length n. With
+X = g + E_old and ``sent`` the (indices, values) this rank contributed, the modes of
+``residual=`` are
 
 * ``"global"``: E_new[i] = X[i] − sent[i] where i is in the final output, X[i] elsewhere. A value
   this rank sent that did not reach the output (dropped downstream) comes back to it, so the

@@ -1,7 +1,8 @@
 """`spardl`: Spar-Reduce-Scatter, Spar-All-Gather with teams, Global Residual Collection.
 
 Zhao et al., "SparDL: Distributed Deep Learning Training with Efficient Sparse Communication",
-arXiv 2304.00737 (Sec. 4: SRS and SAG; Sec. 5: GRC); DESIGN.md §4 is the binding text.
+arXiv 2304.00737 (Sec. 4: SRS and SAG; Sec. 5: GRC); docs/design.md §4 states it as implemented
+here.
 """
 
 from __future__ import annotations

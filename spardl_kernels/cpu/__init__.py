@@ -1,4 +1,4 @@
-"""Numba ``@njit`` CPU kernels of the kernel contract (DESIGN.md §3).
+"""Numba ``@njit`` CPU kernels of the kernel contract (docs/design.md §3).
 
 Same twelve names as ``spardl_kernels.cuda``; ``spardl_kernels`` dispatches between them.
 """

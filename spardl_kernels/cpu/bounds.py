@@ -115,7 +115,7 @@ def uniform_bounds(n, P):
 
     Notes
     -----
-    DESIGN.md §3 and §4 (SparDL blocks: C = ceil(n / m) is the longest block).
+    docs/design.md §3 and §4 (SparDL blocks: C = ceil(n / m) is the longest block).
     """
     n = _validate.check_n(n)
     P = _validate.check_P(P)
@@ -153,7 +153,7 @@ def balanced_bounds(indices, n, P):
     -----
     Ok-Topk (Li & Hoefler, arXiv 2201.07598, balanced split-and-reduce): the
     reduction regions are chosen so that each owner receives a similar number of nonzeros,
-    instead of equal index ranges. DESIGN.md §3 kernel contract.
+    instead of equal index ranges. docs/design.md §3 kernel contract.
     """
     indices = as_indices("indices", indices)
     n = _validate.check_n(n)
@@ -192,7 +192,7 @@ def block_offsets(indices, bounds):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract. One binary search per bound, O(B log m), after an O(m)
+    docs/design.md §3 kernel contract. One binary search per bound, O(B log m), after an O(m)
     validation pass over indices.
     """
     indices = as_indices("indices", indices)

@@ -3,7 +3,7 @@
 Everything here works on *keys*: the bit pattern of |x| as a signed integer of x's width with
 the sign bit cleared, every NaN clamped to one key just above +inf (see ``_common.KEY_INFO``).
 Positive IEEE floats order like their bit patterns, so ordering keys is ordering |x| under the
-contract's total order (DESIGN.md §3): NaN above +inf, -0.0 == 0.0, ties to the lower index.
+contract's total order (docs/design.md §3): NaN above +inf, -0.0 == 0.0, ties to the lower index.
 Working on bits also makes float16 first class although Numba's CPU target has no float16
 arithmetic.
 """
@@ -589,7 +589,7 @@ def topk_abs(x, k, *, index_dtype=np.int64):
 
     Notes
     -----
-    Order (DESIGN.md §3 kernel contract): larger |x| first, NaN above +inf (so any NaN is
+    Order (docs/design.md §3 kernel contract): larger |x| first, NaN above +inf (so any NaN is
     selected when k >= 1), ties to the lower index, -0.0 == 0.0. The result is therefore unique
     and equal on every rank and on the CUDA twin.
 
@@ -640,8 +640,8 @@ def kth_largest_abs(x, k):
 
     Notes
     -----
-    Same total order and radix select as :func:`topk_abs` (DESIGN.md §3 kernel contract), without
-    the output pass, so ``select_above(x, kth_largest_abs(x, k))`` holds every entry of
+    Same total order and radix select as :func:`topk_abs` (docs/design.md §3 kernel contract),
+    without the output pass, so ``select_above(x, kth_largest_abs(x, k))`` holds every entry of
     ``topk_abs(x, k)``, plus any ties.
     """
     x = as_values("x", x)
@@ -680,7 +680,7 @@ def select_above(x, threshold, *, index_dtype=np.int64):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract. The threshold is turned once into the smallest key of x's
+    docs/design.md §3 kernel contract. The threshold is turned once into the smallest key of x's
     dtype whose value is >= threshold (exact, no float rounding of x), so the test per element
     is one integer comparison of the bit pattern. Groups of 128 without a hit are skipped after a
     vectorised count; (index, value) pairs are written branch-free. For n >=
@@ -720,7 +720,7 @@ def count_above(x, threshold):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract; one vectorised pass of integer comparisons on the bits of x,
+    docs/design.md §3 kernel contract; one vectorised pass of integer comparisons on the bits of x,
     on ``config.CPU_THREADS`` threads (contiguous parts) for n >= ``config.SELECT_PARALLEL_MIN_N``.
     """
     x = as_values("x", x)

@@ -1,6 +1,6 @@
 """Sparse-vector kernels on the CPU: merge, coalesce, scatter-add and gather.
 
-Sums are done in a fixed order and in the value dtype (DESIGN.md §3): a before b in
+Sums are done in a fixed order and in the value dtype (docs/design.md §3): a before b in
 ``merge_add``, earlier position first in ``coalesce`` and ``scatter_add``. Numba's CPU target has
 no float16 arithmetic, so float16 values are widened to float32 in NumPy, summed in float32 by
 the same compiled loops, and rounded to float16 once at the end. Copies of values (gather, the
@@ -383,7 +383,7 @@ def _gather(dense, indices, out):
 
 
 def _as_sum_dtype(v):
-    """float16 values are summed in float32 (DESIGN.md §3)."""
+    """float16 values are summed in float32 (docs/design.md §3)."""
     return v.astype(np.float32) if v.dtype == np.float16 else v
 
 
@@ -417,7 +417,7 @@ def merge_add(ia, va, ib, vb):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract. One branch-free merge pass, split at the merge-path diagonal
+    docs/design.md §3 kernel contract. One branch-free merge pass, split at the merge-path diagonal
     (Odeh et al., IPDPSW 2012) into two parts that run interleaved in one loop so that their
     dependency chains overlap; each index (and each matched pair) lives in exactly one part, so
     the result is that of one sequential merge. The sorted-unique check is fused into it (the
@@ -496,7 +496,7 @@ def coalesce(indices, values):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract: coalescing float32 [1e8, 1, -1e8] at one index gives exactly
+    docs/design.md §3 kernel contract: coalescing float32 [1e8, 1, -1e8] at one index gives exactly
     0.0, because (1e8 + 1) rounds to 1e8 in float32. Equal indices stay in position order: the
     sort is a stable bottom-up natural merge, O(m log R) for an input made of R ascending runs
     (a sorted input is summed in one pass; a concatenation of P sorted vectors, what an
@@ -536,9 +536,10 @@ def scatter_add(dense, indices, values):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract: for each touched i, ``dense[i] = ((dense[i] + v_1) + v_2) ...``
-    with v_1, v_2, ... the values aimed at i in position order, in the value dtype. For float16
-    the whole chain for one i runs in float32 and is rounded to float16 once.
+    docs/design.md §3 kernel contract: for each touched i,
+    ``dense[i] = ((dense[i] + v_1) + v_2) ...`` with v_1, v_2, ... the values aimed at i in
+    position order, in the value dtype. For float16 the whole chain for one i runs in float32 and
+    is rounded to float16 once.
     """
     target = dense
     dense = as_values("dense", dense)
@@ -585,7 +586,7 @@ def gather(dense, indices):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract. Values are moved as bit patterns (float16 too).
+    docs/design.md §3 kernel contract. Values are moved as bit patterns (float16 too).
     """
     dense = as_values("dense", dense)
     indices = as_indices("indices", indices)

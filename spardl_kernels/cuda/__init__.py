@@ -1,4 +1,4 @@
-"""numba-cuda twins of the CPU kernels (DESIGN.md §3): the same twelve names and signatures,
+"""numba-cuda twins of the CPU kernels (docs/design.md §3): the same twelve names and signatures,
 the same results bit for bit.
 
 Inputs are device arrays: anything exposing ``__cuda_array_interface__`` (torch CUDA tensors,

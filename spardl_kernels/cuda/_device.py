@@ -60,7 +60,7 @@ def _gpu_splitmix64(seed, j):
 
 @cuda.jit(device=True)
 def _gpu_to_f32(v):
-    """float16 -> float32 (exact): float16 sums accumulate in float32 (DESIGN.md §3)."""
+    """float16 -> float32 (exact): float16 sums accumulate in float32 (docs/design.md §3)."""
     return float32(v)
 
 

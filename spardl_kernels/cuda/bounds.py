@@ -67,7 +67,7 @@ def uniform_bounds(n, P):
 
     Notes
     -----
-    DESIGN.md §3 and §4. The P + 1 numbers are computed on the host by the CPU kernel (there
+    docs/design.md §3 and §4. The P + 1 numbers are computed on the host by the CPU kernel (there
     is no data to move) and copied to the device, where :func:`block_offsets` uses them.
     ``spardl_kernels.uniform_bounds`` has no array argument and always returns the host array.
     """
@@ -101,7 +101,7 @@ def balanced_bounds(indices, n, P):
 
     Notes
     -----
-    Ok-Topk (Li & Hoefler, arXiv 2201.07598, balanced split-and-reduce); DESIGN.md §3.
+    Ok-Topk (Li & Hoefler, arXiv 2201.07598, balanced split-and-reduce); docs/design.md §3.
     Sorting uses the stable radix sort of :mod:`spardl_kernels.cuda._sort`.
     """
     indices = C.as_indices("indices", indices)
@@ -141,7 +141,7 @@ def block_offsets(indices, bounds):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract. One thread and one binary search per bound.
+    docs/design.md §3 kernel contract. One thread and one binary search per bound.
     """
     indices = C.as_indices("indices", indices)
     bounds = C.as_indices("bounds", bounds)

@@ -2,7 +2,7 @@
 
 CUDA twins of :mod:`spardl_kernels.cpu.select`, with the same keys (the bits of |x| with the
 sign bit cleared, NaN clamped just above +inf), so they order entries by the contract's total
-order (DESIGN.md §3) and give the CPU's results bit for bit.
+order (docs/design.md §3) and give the CPU's results bit for bit.
 
 * Radix select (``topk_abs``, ``kth_largest_abs``, ``estimate_threshold``): one pass over x per
   digit of ``config.CUDA_RADIX_BITS`` bits, from the most significant down. A pass builds the
@@ -293,7 +293,7 @@ def topk_abs(x, k, *, index_dtype=np.int64):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract (larger |x| first, NaN above +inf, ties to the lower index,
+    docs/design.md §3 kernel contract (larger |x| first, NaN above +inf, ties to the lower index,
     -0.0 == 0.0): the same result as ``spardl_kernels.cpu.topk_abs``, bit for bit.
     Cost: ceil(key bits / ``config.CUDA_RADIX_BITS``) histogram passes over x (4 for float32),
     then a count pass and a write pass (module docstring). No host synchronisation: the output
@@ -337,7 +337,7 @@ def kth_largest_abs(x, k):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract; the radix passes of :func:`topk_abs` without the output pass.
+    docs/design.md §3 kernel contract; the radix passes of :func:`topk_abs` without the output pass.
     """
     x = C.as_values("x", x)
     n = x.shape[0]
@@ -375,7 +375,7 @@ def select_above(x, threshold, *, index_dtype=np.int64):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract. The threshold becomes the smallest key K of x's dtype with
+    docs/design.md §3 kernel contract. The threshold becomes the smallest key K of x's dtype with
     value >= threshold (``cpu.select._threshold_key``, exact), and the compaction takes every
     key > K - 1. Two reads of x (count, write) plus a scan of per-tile counts; one device ->
     host copy of the output length.
@@ -415,7 +415,7 @@ def count_above(x, threshold):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract. One pass of integer comparisons, a block reduction in shared
+    docs/design.md §3 kernel contract. One pass of integer comparisons, a block reduction in shared
     memory and one integer atomic per block.
     """
     x = C.as_values("x", x)

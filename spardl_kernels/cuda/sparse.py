@@ -135,7 +135,7 @@ def _gather(dense_bits, indices, out):
 
 
 def _sum_values(v):
-    """float16 values are summed in float32 (DESIGN.md §3); others in their own dtype."""
+    """float16 values are summed in float32 (docs/design.md §3); others in their own dtype."""
     return C.cast(v, np.float32) if v.dtype == np.float16 else v
 
 
@@ -177,7 +177,7 @@ def merge_add(ia, va, ib, vb):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract. Merge path (Green, McColl & Bader, "GPU merge path", ICS
+    docs/design.md §3 kernel contract. Merge path (Green, McColl & Bader, "GPU merge path", ICS
     2012): each thread binary-searches its diagonal of the merge grid and merges a few slots;
     equal indices land side by side and are combined, and an exclusive scan of the run heads
     gives each output position. Host synchronisation: the order check and the output length.
@@ -241,7 +241,7 @@ def coalesce(indices, values):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract (float32 [1e8, 1, -1e8] at one index sums to exactly 0.0).
+    docs/design.md §3 kernel contract (float32 [1e8, 1, -1e8] at one index sums to exactly 0.0).
     A stable radix sort of (index, position) (:mod:`spardl_kernels.cuda._sort`, skipped when
     the input is nondecreasing), an exclusive scan of the run heads for the output positions,
     and one thread per distinct index summing its run in position order.
@@ -293,7 +293,8 @@ def scatter_add(dense, indices, values):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract: ``dense[i] = ((dense[i] + v_1) + v_2) ...`` in position order,
+    docs/design.md §3 kernel contract: ``dense[i] = ((dense[i] + v_1) + v_2) ...`` in position
+    order,
     float16 chains in float32 rounded once. Deterministic without float atomics: a stable sort of
     (index, position) groups each index's values in order, and one thread per distinct index
     runs its chain.
@@ -341,7 +342,7 @@ def gather(dense, indices):
 
     Notes
     -----
-    DESIGN.md §3 kernel contract. One thread per output; values move as bit patterns.
+    docs/design.md §3 kernel contract. One thread per output; values move as bit patterns.
     """
     dense = C.as_values("dense", dense)
     indices = C.as_indices("indices", indices)

@@ -1,4 +1,4 @@
-"""The contract every algorithm of spardl.ALGORITHMS keeps, and the cases of cases/collectives.md.
+"""The contract every algorithm of spardl.ALGORITHMS keeps, and the cases of docs/design.md §9.
 
 Runs on every rank under `mpiexec -n P` (see tests/test_mpi.py) for P in {1, 2, 3, 4, 5, 6, 8}.
 """
@@ -40,7 +40,7 @@ def test_density_one_is_exact_mean(comm, algorithm, dtype, n):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(("n", "density"), [(13, 0.5), (1001, 0.01), (480, 0.05)])
 def test_conservation_over_steps(comm, algorithm, dtype, n, density):
-    """Σ_r X_r = P·out + Σ_r E_r,new on every step (DESIGN.md §4)."""
+    """Σ_r X_r = P·out + Σ_r E_r,new on every step (docs/design.md §4)."""
     ar = spardl.make(algorithm, comm, n, density=density)
     tol = 2e-6 if dtype == np.float32 else 1e-13
     for step in range(4):

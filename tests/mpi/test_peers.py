@@ -1,5 +1,5 @@
 """The peers (topka, gaussiank, topkdsa, gtopk) under mpiexec: against the single-process
-references of tests/ref_peers.py, the conservation invariant, and cases/collectives.md."""
+references of tests/ref_peers.py, the conservation invariant, and docs/design.md §9."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_messages_counted(comm, algorithm):
         assert msgs == (0 if comm.rank == 0 else 1) + 1
 
 
-# -- cases/collectives.md ---------------------------------------------------------------------
+# -- docs/design.md §9 ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("algorithm", PEERS)

@@ -1,4 +1,5 @@
-"""SparDL over MPI (DESIGN.md §4): against the single-process reference, conservation, cost, cases.
+"""SparDL over MPI (docs/design.md §4): against the single-process reference, conservation,
+cost, cases.
 
 Runs on every rank under `mpiexec -n P python -m pytest` for P in {1, 2, 3, 4, 5, 6, 8}.
 """
@@ -210,7 +211,7 @@ def test_next_h_rule():
     assert next_h(10, 20, 20, 2) == 10
 
 
-# -- the collective cases of cases/collectives.md, for spardl ----------------------------------
+# -- the collective cases of docs/design.md §9, for spardl ----------------------------------
 
 
 def test_c1_one_rank_output_is_the_top_selection(comm):
