@@ -179,11 +179,12 @@ def absolute(a):
     return device_ops().absolute(a) if is_device(a) else np.abs(a)
 
 
-def divide(a, s):
-    """``a / a.dtype.type(s)`` (a new array, in a's dtype)."""
+def divide(a, s, out=None):
+    """``a / a.dtype.type(s)`` in a's dtype: a new array, or written into ``out`` (an array of
+    the same kind, length and dtype; ``out`` may be ``a``) and returned."""
     if is_device(a):
-        return device_ops().divide(a, s)
-    return a / a.dtype.type(s)
+        return device_ops().divide(a, s, out)
+    return np.divide(a, a.dtype.type(s), out=out)
 
 
 def all_finite(a) -> bool:

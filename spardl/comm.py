@@ -598,9 +598,16 @@ class Comm:
         return unpack_blocks(got, len(recv_starts), recv_starts, index_dtype, value_dtype)
 
     # -- collectives ------------------------------------------------------------------------
-    def allreduce(self, x: np.ndarray, op: str = "sum") -> np.ndarray:
+    def allreduce(
+        self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Dense allreduce of a contiguous 1-D array; returns a new array (on the device for a
-        device ``x``)."""
+        device ``x``).
+
+        For a host ``x``, ``out`` (a contiguous host array like ``x``) receives the result
+        instead, and is returned; ``out is x`` reduces in place (``MPI_IN_PLACE``: no copy of
+        ``x`` and no new buffer). Ignored for a device ``x``.
+        """
         if A.is_device(x):
             x = A.view(x)
             if cuda_aware():
@@ -611,9 +618,11 @@ class Comm:
                 h = self._send_wire(x)
                 self.mpi.Allreduce(MPI.IN_PLACE, h, op=_mpi_op(op))
                 out = A.to_device(h)
+        elif out is not None and out is x:
+            self.mpi.Allreduce(MPI.IN_PLACE, x, op=_mpi_op(op))
         else:
             x = np.ascontiguousarray(x)
-            out = np.empty_like(x)
+            out = np.empty_like(x) if out is None else out
             self.mpi.Allreduce(x, out, op=_mpi_op(op))
         vol = 2 * x.nbytes * (self.size - 1) // self.size
         self._acct.sent(vol, -1, "allreduce")

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 __all__ = ["SparseResult"]
 
 
-@dataclass(frozen=True, eq=False)
 class SparseResult:
     """A sparse vector of length ``n``, the output of every allreducer.
+
+    Parameters
+    ----------
+    indices, values, n
+        The attributes below (the sparse form). :meth:`from_dense` builds the dense form.
 
     Attributes
     ----------
     indices : ndarray of shape (nnz,), int64
         Positions of the entries, strictly ascending, each in ``[0, n)``. Entries whose reduced
-        value is exactly ±0 are not listed.
+        value is exactly ±0 are not listed (NaN is).
     values : ndarray of shape (nnz,), the gradient's dtype
         The reduced values (sum or mean over the ranks, by the allreducer's ``op``).
     n : int
@@ -27,28 +29,95 @@ class SparseResult:
     -----
     Every rank of the communicator holds bit-identical ``indices`` and ``values`` after a call.
 
+    Two forms, one meaning. The sparse allreducers return the sparse form: ``indices`` and
+    ``values`` are what they computed. The dense allreduce returns the *dense form*
+    (:attr:`is_dense`): it holds the reduced vector itself and makes ``indices`` and ``values``
+    only when first read, by one pass over the vector that lists its entries other than ±0,
+    exactly as the sparse form would (the same promise: no explicit zeros; ``nnz`` is their
+    count, so reading it costs that pass too). :meth:`to_dense` of the dense form is a copy of
+    the vector; it never needs the indices. Code that wants the vector should call
+    :meth:`to_dense`, which is O(n) for both forms; code that reads ``indices`` gets the same
+    arrays from either form of the same vector.
+
     For GPU gradients (``__cuda_array_interface__``) ``indices`` and ``values`` are Numba device
     arrays (wrap them zero-copy with ``torch.as_tensor(a, device="cuda")`` or
     ``cupy.asarray(a)``), bit-identical to the host result for the same data, and
-    :meth:`to_dense` scatters on the device.
+    :meth:`to_dense` scatters (or, for the dense form, copies) on the device.
+
+    A result is read-only: its attributes cannot be reassigned.
     """
 
-    indices: np.ndarray
-    values: np.ndarray
-    n: int
+    __slots__ = ("n", "_indices", "_values", "_dense")
+
+    def __init__(self, indices: np.ndarray, values: np.ndarray, n: int):
+        object.__setattr__(self, "n", n)
+        object.__setattr__(self, "_indices", indices)
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_dense", None)
+
+    @classmethod
+    def from_dense(cls, vector) -> SparseResult:
+        """The dense form of the vector ``vector`` (taken over, not copied: the caller must not
+        write to it afterwards).
+
+        Parameters
+        ----------
+        vector : ndarray of shape (n,), or a Numba device array
+            The reduced vector, in the gradient's dtype.
+
+        Returns
+        -------
+        SparseResult
+            ``n = len(vector)``; :attr:`indices` and :attr:`values` are made on first read.
+        """
+        out = cls(None, None, int(vector.shape[0]))
+        object.__setattr__(out, "_dense", vector)
+        return out
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"SparseResult is read-only (cannot set {name!r})")
+
+    @property
+    def is_dense(self) -> bool:
+        """Whether this result holds the dense vector (the dense allreduce's result)."""
+        return self._dense is not None
+
+    def _split(self) -> None:
+        """Make ``indices`` and ``values`` of the dense form: its entries other than ±0."""
+        import spardl_kernels as K
+
+        v = self._dense
+        tiny = float(np.nextafter(v.dtype.type(0), v.dtype.type(1)))
+        keep, kept = K.select_above(v, tiny)  # |v| >= smallest subnormal  <=>  v != 0 or NaN
+        object.__setattr__(self, "_indices", keep)
+        object.__setattr__(self, "_values", kept)
+
+    @property
+    def indices(self) -> np.ndarray:
+        """Positions of the entries other than ±0, ascending, int64 (see the class notes)."""
+        if self._indices is None:
+            self._split()
+        return self._indices
+
+    @property
+    def values(self) -> np.ndarray:
+        """The reduced values at :attr:`indices`, in the gradient's dtype."""
+        if self._values is None:
+            self._split()
+        return self._values
 
     @property
     def nnz(self) -> int:
-        """Number of stored entries."""
+        """Number of stored entries (for the dense form: one pass over the vector, once)."""
         return int(self.indices.shape[0])
 
     @property
     def dtype(self) -> np.dtype:
         """The value dtype."""
-        return self.values.dtype
+        return np.dtype((self._values if self._dense is None else self._dense).dtype)
 
     def to_dense(self, out: np.ndarray | None = None) -> np.ndarray:
-        """Scatter into a dense vector.
+        """Scatter into a dense vector (the dense form: copy its vector).
 
         Parameters
         ----------
@@ -60,7 +129,8 @@ class SparseResult:
         Returns
         -------
         ndarray of shape (n,)
-            The dense vector (a Numba device array for a device result).
+            The dense vector (a Numba device array for a device result). Never the result's own
+            storage: writing to it leaves the result unchanged.
 
         Raises
         ------
@@ -71,14 +141,24 @@ class SparseResult:
         """
         from . import _arrays as A
 
-        device = A.is_device(self.values)
+        src = self._dense
+        device = A.is_device(self._values if src is None else src)
+        if out is not None:
+            if tuple(getattr(out, "shape", ()) or ()) != (self.n,):
+                got = getattr(out, "shape", None)
+                raise ValueError(f"out must have shape ({self.n},), got {got}")
+            if A.is_device(out) != device:
+                raise TypeError("out must be a device array for a device result, a host array else")
+        if src is not None:
+            if out is None:
+                return A.copy(src)
+            if device:
+                A.device_ops().copy_into(A.view(out), src)
+            else:
+                np.copyto(out, src, casting="unsafe")
+            return out
         if out is None:
             return A.set_at(A.zeros(self.n, self.values.dtype, device), self.indices, self.values)
-        if tuple(getattr(out, "shape", ()) or ()) != (self.n,):
-            got = getattr(out, "shape", None)
-            raise ValueError(f"out must have shape ({self.n},), got {got}")
-        if A.is_device(out) != device:
-            raise TypeError("out must be a device array for a device result, a host array else")
         if device:
             dev = A.view(out)
             A.device_ops().copy_into(dev, A.zeros(self.n, dev.dtype, True))
@@ -89,4 +169,6 @@ class SparseResult:
         return out
 
     def __repr__(self) -> str:
-        return f"SparseResult(n={self.n}, nnz={self.nnz}, dtype={self.values.dtype})"
+        if self._dense is not None:
+            return f"SparseResult(n={self.n}, dense form, dtype={self.dtype})"
+        return f"SparseResult(n={self.n}, nnz={self.nnz}, dtype={self.dtype})"

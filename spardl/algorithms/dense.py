@@ -2,10 +2,50 @@
 
 from __future__ import annotations
 
+import sys
+
+import numba
 import numpy as np
 
 from .. import _arrays as A
-from .base import Allreducer, Reduced
+from ..result import SparseResult
+from .base import Allreducer, NonFiniteError, _work_dtype
+
+
+@numba.njit(cache=True, nogil=True)
+def _divide_count_nonfinite(x, s):
+    """``x /= s`` in place (IEEE division in x's dtype, as NumPy's) and the number of NaN and
+    ±Inf entries of the result, in one pass."""
+    c = 0
+    for i in range(x.shape[0]):
+        v = x[i] / s
+        x[i] = v
+        c += not (abs(v) < np.inf)
+    return c
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_nonfinite(x):
+    """The number of NaN and ±Inf entries of x, one pass, no temporary array."""
+    c = 0
+    for i in range(x.shape[0]):
+        c += not (abs(x[i]) < np.inf)
+    return c
+
+
+#: Result buffers a dense allreducer keeps (per dtype in use).
+_POOL = 2
+
+
+def _refs(pool: list, i: int) -> int:
+    """``sys.getrefcount`` of ``pool[i]`` as seen from here (the list, the local, the call)."""
+    buf = pool[i]
+    return sys.getrefcount(buf)
+
+
+#: What :func:`_refs` counts for a buffer that only the pool holds (measured, not assumed, so
+#: that it stays right on any CPython version).
+_UNHELD = _refs([np.empty(0)], 0)
 
 
 class Dense(Allreducer):
@@ -13,13 +53,139 @@ class Dense(Allreducer):
 
     Cost: one collective; 2n(P−1)/P words each way under a bandwidth-optimal allreduce
     (Rabenseifner's reduce-scatter + all-gather; Thakur, Rabenseifner & Gropp, IJHPCA 2005).
-    ``density`` is accepted for a uniform interface and ignored.
+    ``density`` and ``residual`` are accepted for a uniform interface and have no effect: the
+    residual is always zero.
+
+    A step is the checks every allreducer makes, one ``MPI_Allreduce`` and nothing else of
+    size n but what the result needs, so that it is a fair baseline for the sparse ones:
+
+    * float32 and float64 gradients: ``Allreduce(g, out)`` from the caller's buffer into the
+      result buffer, then for ``op="mean"`` ``out /= P`` in place, fused with the non-finite
+      count (one pass; for "sum" the count alone). The result buffer is reused from step to
+      step once nothing refers to the previous result any more (a pool of two, so a caller
+      that keeps the last result still gets reuse): a fresh 100 MB buffer costs tens of ms in
+      page faults on every step, which ``Allreduce`` into a caller's warm buffer does not pay;
+    * float16 gradients: one float32 copy of g (into a buffer kept from step to step), reduced
+      in place (``MPI_IN_PLACE``) in float32, divided in place, then rounded once to float16.
+      Sums of float16 overflow at 65504 long before their mean does, and MPI's own float16 sum
+      rounds after every addition; the float32 sum is what the sparse allreducers compute too.
+      A mean (or sum) beyond float16's range is clamped to ±65504 rather than becoming inf, as
+      in the other allreducers; with no residual, the rounding remainder is dropped. This costs
+      the float32 Allreduce's bytes (twice the float16 ones; ``stats`` counts them as sent);
+    * the non-finite check and the cross-rank check (one small allreduce) as in every
+      allreducer; no residual buffer, no index array, no copy of g. The allreducer holds up to
+      two result buffers of n values (three arrays for float16: its float32 work buffer).
+
+    The result is the dense form of :class:`~spardl.result.SparseResult`: the reduced vector
+    itself; ``to_dense()`` copies it, ``indices``/``values`` are made on first read. The values
+    are bit for bit the MPI library's sum (divided by P in the work dtype for the mean), so they
+    equal ``comm.Allreduce`` of the same buffers (see ``tests/mpi/test_dense.py``).
     """
 
     name = "dense"
+    #: No residual, so no float16 rounding feedback either (base class attribute).
+    rounding_feedback = False
 
-    def _reduce(self, x: np.ndarray) -> Reduced:
+    def _setup(self) -> None:
+        self._pool: list = []  # host result buffers, reused once nothing else holds them
+        self._work = None  # float16 gradients: the float32 buffer they are reduced in
+        self._device = False
+
+    def _step(self, grad) -> tuple[SparseResult, bool]:
+        g = self._accept(grad)
+        device = A.is_device(g)
+        if self._dtype is None:
+            self._dtype = np.dtype(g.dtype)
+        self._device = device
+        work = _work_dtype(self._dtype)
         with self.comm.phase("allreduce"):
-            total = self.comm.allreduce(x, "sum") if self.P > 1 else x
-        device = A.is_device(x)
-        return Reduced(A.arange(self.n, device), total, A.zeros(self.n, x.dtype, device))
+            if device:
+                x = A.cast(g, work, copy=self.P == 1)
+                total = x if self.P == 1 else self.comm.allreduce(x, "sum")
+            elif g.dtype == work:
+                total = self._buffer(work)
+                if self.P == 1:
+                    np.copyto(total, g)
+                else:
+                    self.comm.allreduce(g, "sum", out=total)
+            else:
+                if self._work is None:
+                    self._work = np.empty(self.n, work)
+                total = self._work
+                np.copyto(total, g)  # float16 -> float32, exact
+                if self.P > 1:
+                    self.comm.allreduce(total, "sum", out=total)
+        stats = self.comm.stats
+        self.comm.next_step()
+        # The mean's division and the non-finite count in one pass over the sums (a finite sum
+        # stays finite divided by P, Inf and NaN stay what they are, so the count is the same).
+        scale = self.P if self.op == "mean" and self.P > 1 else 1
+        if device:
+            if scale > 1:
+                A.divide(total, scale, out=total)
+            finite = None if self.nonfinite == "propagate" else A.all_finite(total)
+        elif scale > 1:
+            finite = _divide_count_nonfinite(total, total.dtype.type(scale)) == 0
+        else:
+            finite = None if self.nonfinite == "propagate" else _count_nonfinite(total) == 0
+        if self.nonfinite != "propagate" and not finite:
+            if self.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"{self.name}: the reduced gradient holds NaN or Inf at step {self.step}; "
+                    "the step was not applied (the allreducer's state is unchanged)"
+                )
+            stats["skipped_steps"] += 1
+            empty = SparseResult(
+                A.empty(0, np.int64, device), A.empty(0, self._dtype, device), self.n
+            )
+            return empty, False
+        self.step += 1
+        stats["steps"] += 1
+        return SparseResult.from_dense(self._in_grad_dtype(total, finite)), True
+
+    def _buffer(self, dtype):
+        """A host array of n ``dtype`` for this step's result: a pooled one that nothing outside
+        the pool refers to any more (no result, view or tensor of it is alive), else a new one,
+        kept if the pool has room. Reusing memory spares the page faults of a fresh 4n-byte
+        buffer on every step (tens of ms for 100 MB); two buffers cover a caller that keeps
+        the previous result while it makes the next one."""
+        for i in range(len(self._pool)):
+            if self._pool[i].dtype == dtype and _refs(self._pool, i) <= _UNHELD:
+                return self._pool[i]
+        buf = np.empty(self.n, dtype)
+        if len(self._pool) < _POOL:
+            self._pool.append(buf)
+        return buf
+
+    def _in_grad_dtype(self, total, finite):
+        """The reduced vector in the gradient's dtype: float32 work values rounded to float16,
+        finite values past ±65504 clamped to it (the common case costs one cast and one count).
+        ``finite``: whether ``total`` is all finite, None if not known yet."""
+        if total.dtype == self._dtype:
+            return total
+        device = A.is_device(total)
+        with np.errstate(over="ignore"):  # past ±65504: inf, clamped below
+            if device:
+                out = A.cast(total, self._dtype)
+            else:
+                out = self._buffer(self._dtype)
+                np.copyto(out, total, casting="same_kind")  # round to nearest, as astype
+        if A.all_finite(out):
+            return out
+        if finite is None:
+            finite = A.all_finite(total)
+        if not finite:  # NaN or Inf in the sums: no clamping (nonfinite="propagate")
+            return out
+        top = float(np.finfo(self._dtype).max)
+        clamped = np.clip(A.to_host(total), -top, top).astype(self._dtype)
+        if device:
+            return A.to_device(clamped)
+        np.copyto(out, clamped)
+        return out
+
+    @property
+    def residual(self):
+        """Always zero: shape (n,), the work dtype (float32 for float16 gradients), on the
+        device after GPU gradients. A new array on every read (nothing is kept per step)."""
+        dtype = np.float32 if self._dtype is None else _work_dtype(self._dtype)
+        return A.zeros(self.n, dtype, getattr(self, "_device", False))

@@ -211,10 +211,10 @@ def absolute(a):
     return out
 
 
-def divide(a, s):
-    """``a / a.dtype.type(s)`` (a new array)."""
+def divide(a, s, out=None):
+    """``a / a.dtype.type(s)``: a new array, or into ``out`` (same length and dtype; may be a)."""
     a = view(a)
-    out = C.empty(a.shape[0], a.dtype)
+    out = C.empty(a.shape[0], a.dtype) if out is None else view(out)
     if a.shape[0]:
         C.launch(_divide, a.shape[0])(a, np.dtype(a.dtype).type(s), out)
     return out

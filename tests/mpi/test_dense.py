@@ -1,0 +1,134 @@
+"""The dense allreducer is MPI's Allreduce of the same buffers, bit for bit, and nothing else.
+
+Runs on every rank under `mpiexec -n P` (see tests/test_mpi.py) for P in {1, 2, 3, 4, 5, 6, 8}.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpiutil import assert_identical_everywhere, grads_for
+
+import spardl
+
+DTYPES = [np.float16, np.float32, np.float64]
+
+
+def _work(dtype):
+    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
+
+
+def _reference(comm, g, op):
+    """What the dense allreducer promises, computed the same way here: MPI's own Allreduce of
+    the gradient in the work dtype (float32 for float16), divided by P in that dtype for the
+    mean, then rounded once to the gradient's dtype."""
+    w = _work(g.dtype)
+    total = np.empty(len(g), w)
+    comm.Allreduce(g.astype(w), total, op=MPI.SUM)
+    if op == "mean":
+        total = total / w.type(comm.size)
+    return total.astype(g.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_equals_mpi_allreduce_bit_for_bit(comm, dtype, op):
+    n = 1001
+    ar = spardl.make("dense", comm, n, op=op)
+    for step in range(3):
+        g = grads_for(comm, n, dtype, seed=40 + step, kind="heavy")[comm.rank]
+        out = ar(g)
+        assert out.is_dense and out.n == n and out.dtype == np.dtype(dtype)
+        want = _reference(comm, g, op)
+        assert out.to_dense().tobytes() == want.tobytes()
+        keep = want != 0  # the entries listed: all but ±0
+        np.testing.assert_array_equal(out.indices, np.flatnonzero(keep))
+        assert out.values.tobytes() == want[keep].tobytes()
+        assert out.nnz == int(np.count_nonzero(keep))
+        assert_identical_everywhere(comm, out)
+    assert ar.step == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_mean_and_sum_of_representable_values(comm, dtype):
+    """Small multiples of 1/8: every partial sum is exact in any order, so the result is the
+    NumPy sum (and the sum divided by P, rounded once) whatever MPI's reduction order."""
+    n = 257
+    P = comm.size
+    gs = [(np.random.default_rng(50 + r).integers(-64, 65, n) / 8).astype(dtype) for r in range(P)]
+    g = gs[comm.rank]
+    w = _work(dtype)
+    exact = np.sum(np.stack(gs).astype(np.float64), axis=0)
+    total = spardl.make("dense", comm, n, op="sum")(g)
+    assert total.to_dense().tobytes() == exact.astype(w).astype(dtype).tobytes()
+    mean = spardl.make("dense", comm, n, op="mean")(g)
+    want = (exact.astype(w) / w.type(P)).astype(dtype)
+    assert mean.to_dense().tobytes() == want.tobytes()
+
+
+def test_counters_are_one_allreduce(comm):
+    n = 1000
+    ar = spardl.make("dense", comm, n)
+    g = np.ones(n, np.float32)
+    control = ar.stats["control_messages"]
+    for _ in range(3):
+        ar(g)
+    P = comm.size
+    per_call = 2 * 4 * n * (P - 1) // P
+    assert ar.stats["messages"] == (3 if P > 1 else 0)
+    assert ar.stats["bytes_sent"] == ar.stats["bytes_received"] == 3 * per_call
+    assert ar.stats["control_messages"] == control + 3  # the cross-rank check of each call
+    assert ar.stats["steps"] == 3
+
+
+def test_results_held_by_the_caller_stay_intact(comm):
+    """The result buffers are reused only once nothing refers to them: results kept across
+    later steps (and their dense vectors) never change."""
+    n = 300
+    ar = spardl.make("dense", comm, n, op="sum")
+    kept, want = [], []
+    for step in range(5):
+        g = grads_for(comm, n, np.float32, seed=60 + step)[comm.rank]
+        out = ar(g)
+        want.append(_reference(comm, g, "sum").tobytes())
+        if step % 2 == 0:
+            kept.append((step, out))
+        v = out.to_dense()
+        v[:] = 0  # to_dense is a copy: writing to it leaves the result alone
+    for step, out in kept:
+        assert out.to_dense().tobytes() == want[step]
+
+
+def test_float16_past_its_range_is_clamped_not_inf(comm):
+    """The float32 sum of float16 gradients of 60000 is 60000·P: finite, clamped to 65504 in
+    float16 for op="sum" (P > 1); the mean stays 60000."""
+    n = 8
+    g = np.full(n, 60000.0, np.float16)
+    total = spardl.make("dense", comm, n, op="sum")(g)
+    want = np.float16(60000.0) if comm.size == 1 else np.finfo(np.float16).max
+    assert np.all(total.to_dense() == want)
+    mean = spardl.make("dense", comm, n, op="mean")(g)
+    np.testing.assert_array_equal(mean.to_dense(), g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_is_always_zero(comm, dtype):
+    n = 50
+    ar = spardl.make("dense", comm, n, density=0.1)
+    ar(grads_for(comm, n, dtype, seed=70)[comm.rank])
+    r = ar.residual
+    assert r.shape == (n,) and r.dtype == _work(dtype) and not np.any(r)
+    assert ar.state_dict()["residual"] is None
+
+
+def test_nonfinite_propagate_returns_the_sum(comm):
+    n = 20
+    g = np.ones(n, np.float32)
+    if comm.rank == 0:
+        g[3] = np.inf
+        g[4] = np.nan
+    out = spardl.make("dense", comm, n, nonfinite="propagate")(g)
+    d = out.to_dense()
+    assert np.isposinf(d[3]) and np.isnan(d[4]) and np.all(d[5:] == 1)
+    np.testing.assert_array_equal(out.indices, np.arange(n))  # NaN is listed

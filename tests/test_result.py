@@ -1,0 +1,70 @@
+"""SparseResult: the sparse form and the dense form (the dense allreducer's) mean the same."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spardl import SparseResult
+
+
+def _vector(dtype):
+    v = np.zeros(12, dtype)
+    v[[1, 4, 5, 11]] = [2.5, -1.0, np.nan, 7.0]
+    v[7] = -0.0  # a signed zero is a zero: not listed
+    return v
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_dense_form_lists_what_the_sparse_form_lists(dtype):
+    v = _vector(dtype)
+    d = SparseResult.from_dense(v)
+    assert d.is_dense and d.n == 12 and d.dtype == np.dtype(dtype)
+    assert d._indices is None and d._values is None  # nothing made before it is read
+    assert repr(d) == f"SparseResult(n=12, dense form, dtype={np.dtype(dtype)})"
+    np.testing.assert_array_equal(d.indices, [1, 4, 5, 11])
+    assert d.indices.dtype == np.int64
+    assert d.values.dtype == np.dtype(dtype)
+    assert d.values.tobytes() == v[[1, 4, 5, 11]].tobytes()  # NaN included, bit for bit
+    assert d.nnz == 4
+    s = SparseResult(d.indices, d.values, 12)
+    assert not s.is_dense
+    assert s.to_dense().tobytes() == np.where(v == 0, dtype(0), v).tobytes()
+    assert repr(s) == f"SparseResult(n=12, nnz=4, dtype={np.dtype(dtype)})"
+
+
+def test_dense_form_to_dense_is_a_copy():
+    v = _vector(np.float32)
+    d = SparseResult.from_dense(v)
+    a = d.to_dense()
+    assert a is not v and a.tobytes() == v.tobytes()
+    a[:] = 1
+    assert d.to_dense().tobytes() == v.tobytes()
+    assert d._indices is None  # to_dense never needs the indices
+    out = np.full(12, 9.0, np.float64)
+    assert d.to_dense(out=out) is out
+    np.testing.assert_array_equal(out, v.astype(np.float64))
+
+
+def test_dense_form_of_all_zeros_and_of_a_full_vector():
+    z = SparseResult.from_dense(np.zeros(5, np.float32))
+    assert z.nnz == 0 and z.indices.shape == (0,) and z.values.shape == (0,)
+    f = SparseResult.from_dense(np.arange(1, 6, dtype=np.float64))
+    np.testing.assert_array_equal(f.indices, np.arange(5))
+
+
+def test_to_dense_checks_out_for_both_forms():
+    for r in (
+        SparseResult.from_dense(np.ones(4, np.float32)),
+        SparseResult(np.array([1]), np.ones(1, np.float32), 4),
+    ):
+        with pytest.raises(ValueError, match="shape"):
+            r.to_dense(out=np.zeros(5, np.float32))
+
+
+def test_results_are_read_only():
+    r = SparseResult.from_dense(np.ones(3, np.float32))
+    with pytest.raises(AttributeError):
+        r.n = 4
+    with pytest.raises(AttributeError):
+        r.indices = np.arange(3)
