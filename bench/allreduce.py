@@ -1,4 +1,4 @@
-"""OSU-style benchmark of the sparse allreduces against the dense MPI Allreduce.
+"""OSU-style benchmark of the sparse allreduces against MPI's own Allreduce.
 
 Run under mpiexec, e.g.::
 
@@ -10,7 +10,15 @@ compilation, first-touch of buffers, the threshold selectors' first exact steps)
 ``--repeat`` timed calls, each preceded by a barrier and timed with ``MPI.Wtime``; a call's time is
 the slowest rank's (a MAX reduction) and a row reports the median over the repeats. Bytes and
 messages are the allreducer's own counters (``stats``), per rank per call, averaged over ranks.
-Rank 0 prints one table with every number also as a ratio to ``dense`` measured in the same run.
+
+The peers every ratio is quoted against are MPI's own ``Allreduce`` (``MPI.SUM``), measured the
+same way in the same run, outside spardl: "raw Allreduce" of the gradient buffer itself, in its
+dtype (fp32 by default), into a preallocated buffer, and "raw Allreduce fp16" of a float16 copy
+of the gradient (the cast is done once, outside the timed calls; mpi4py maps float16 to
+``MPIX_C_FLOAT16``, which MPICH reduces in software). Their bytes and messages are counted as
+spardl counts a dense allreduce: one message, 2·m·(P−1)/P bytes each way for m bytes. Rank 0
+prints one table: time, bytes and messages per rank per call, and the time as a ratio to both
+raw rows, bytes and messages as a ratio to the raw row of the gradient's dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -78,43 +87,67 @@ def gradient(n, rank, seed, dtype):
     return (rng.standard_t(3, n) * 1e-3).astype(dtype)
 
 
+def _median_time(comm, call, warmup, repeat):
+    """Median over ``repeat`` timed calls (each after a barrier) of the slowest rank's time."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeat):
+        comm.Barrier()
+        t0 = MPI.Wtime()
+        call()
+        t = MPI.Wtime() - t0
+        times.append(comm.allreduce(t, op=MPI.MAX))
+    return float(np.median(times))
+
+
 def measure(comm, make, g, warmup, repeat):
     """Median over ``repeat`` of the slowest rank's time of one call, and per-call counters."""
     ar = make()
     for _ in range(warmup):
         ar(g)
     s0 = {k: ar.stats[k] for k in ("messages", "bytes_sent")}
-    times = []
-    for _ in range(repeat):
-        comm.Barrier()
-        t0 = MPI.Wtime()
-        ar(g)
-        t = MPI.Wtime() - t0
-        times.append(comm.allreduce(t, op=MPI.MAX))
+    t = _median_time(comm, lambda ar=ar: ar(g), 0, repeat)
     per = {k: (ar.stats[k] - s0[k]) / repeat for k in s0}
     mean = {k: comm.allreduce(v, op=MPI.SUM) / comm.size for k, v in per.items()}
     del ar
     gc.collect()
-    return float(np.median(times)), mean["bytes_sent"], mean["messages"]
+    return t, mean["bytes_sent"], mean["messages"]
 
 
-def _fmt_table(rows):
+def measure_raw(comm, send, warmup, repeat):
+    """MPI's own ``Allreduce(send, recv, MPI.SUM)`` into a preallocated ``recv``, timed as
+    :func:`measure` times an allreducer; bytes and messages as spardl counts a dense allreduce
+    (one message, 2·m·(P−1)/P bytes for m bytes; nothing at P = 1)."""
+    recv = np.empty_like(send)
+    t = _median_time(comm, lambda: comm.Allreduce(send, recv, op=MPI.SUM), warmup, repeat)
+    P = comm.size
+    return t, 2 * send.nbytes * (P - 1) // P, 1.0 if P > 1 else 0.0
+
+
+SHORT = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def _fmt_table(rows, dtype):
+    raw = f"x raw {SHORT[dtype]}"
     head = (
         "algorithm",
         "density",
         "time (s)",
-        "x dense",
+        raw,
+        "x raw fp16",
         "bytes/rank",
-        "x dense",
+        raw,
         "msgs/rank",
-        "x dense",
+        raw,
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        dens = "-" if r["density"] is None else f"{r['density']:g}"
         lines.append(
-            f"| {r['algorithm']} | {r['density']:g} | {r['time_s']:.4f} | {r['time_ratio']:.3f} "
-            f"| {r['bytes_sent']:.4g} | {r['bytes_ratio']:.4f} | {r['messages']:.1f} "
-            f"| {r['messages_ratio']:.2f} |"
+            f"| {r['algorithm']} | {dens} | {r['time_s']:.4f} | {r['time_ratio']:.3f} "
+            f"| {r['time_ratio_fp16']:.3f} | {r['bytes_sent']:.4g} | {r['bytes_ratio']:.4f} "
+            f"| {r['messages']:.1f} | {r['messages_ratio']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -148,16 +181,26 @@ def main(argv=None):
     a = _args(argv)
     comm = MPI.COMM_WORLD
     P = comm.size
+    load = [os.getloadavg()[0]]
     g = gradient(a.n, comm.rank, a.seed, np.dtype(a.dtype))
-    algs = list(a.algorithms)
-    if "dense" not in algs:
-        algs.append("dense")  # the peer every ratio is quoted against
     profile = {}
     results = {}
-    dense = measure(comm, lambda: spardl.make("dense", comm, a.n), g, a.warmup, a.repeat)
+    # The peers every ratio is quoted against: MPI's own Allreduce of the same gradient buffer
+    # (its dtype) and of a float16 copy of it (cast here, outside the timed calls).
+    raw = measure_raw(comm, g, a.warmup, a.repeat)
+    results[(f"raw Allreduce {SHORT[a.dtype]}", None)] = raw
+    raw16 = raw
+    if a.dtype != "float16":
+        raw16 = measure_raw(comm, g.astype(np.float16), a.warmup, a.repeat)
+        results[("raw Allreduce fp16", None)] = raw16
+    dense = None  # density-independent: measured once, listed once per density
     for density in a.density:
-        for alg in algs:
+        for alg in a.algorithms:
             if alg == "dense":
+                if dense is None:
+                    dense = measure(
+                        comm, lambda: spardl.make("dense", comm, a.n), g, a.warmup, a.repeat
+                    )
                 results[(alg, density)] = dense
                 continue
             opts = {"density": density}
@@ -181,6 +224,7 @@ def main(argv=None):
                 )
             if a.profile and alg == "spardl":
                 profile[density] = _profile_spardl(comm, a, g, opts)
+    load.append(os.getloadavg()[0])
     rows = []
     for (alg, density), (t, b, m) in results.items():
         rows.append(
@@ -190,18 +234,25 @@ def main(argv=None):
                 "time_s": t,
                 "bytes_sent": b,
                 "messages": m,
-                "time_ratio": t / dense[0],
-                "bytes_ratio": b / dense[1] if dense[1] else float("nan"),
-                "messages_ratio": m / dense[2] if dense[2] else float("nan"),
+                "time_ratio": t / raw[0],
+                "time_ratio_fp16": t / raw16[0],
+                "bytes_ratio": b / raw[1] if raw[1] else float("nan"),
+                "messages_ratio": m / raw[2] if raw[2] else float("nan"),
             }
         )
     if comm.rank == 0:
         print(f"# {' '.join(sys.argv)}")
         print(
             f"# P={P}, n={a.n}, dtype={a.dtype}, teams={a.teams}, repeat={a.repeat}, "
-            f"warmup={a.warmup}, host={platform.node()}"
+            f"warmup={a.warmup}, host={platform.node()}, "
+            f"1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end"
         )
-        print(_fmt_table(rows))
+        print(
+            f"# ratios: time / raw Allreduce {SHORT[a.dtype]} (MPI_Allreduce of the gradient "
+            "buffer) and / raw Allreduce fp16 (of a float16 copy); bytes and messages / raw "
+            f"Allreduce {SHORT[a.dtype]}"
+        )
+        print(_fmt_table(rows, a.dtype))
         for density, ph in profile.items():
             print(
                 f"# spardl profile at density {density:g} (rank 0, median s): "
@@ -216,6 +267,11 @@ def main(argv=None):
                         "dtype": a.dtype,
                         "teams": a.teams,
                         "argv": sys.argv,
+                        "load_average": load,
+                        "peers": {
+                            "time_ratio": f"raw Allreduce {SHORT[a.dtype]}",
+                            "time_ratio_fp16": "raw Allreduce fp16",
+                        },
                         "rows": rows,
                         "profile": {str(k): v for k, v in profile.items()},
                     },
@@ -223,7 +279,7 @@ def main(argv=None):
                     indent=1,
                 )
         if a.plot:
-            _plot(rows, a.plot)
+            _plot([r for r in rows if r["density"] is not None], a.plot)
 
 
 def _profile_spardl(comm, a, g, opts):
