@@ -1,15 +1,18 @@
-"""`spardl train`: data-parallel training of a small CNN on real data, one MPI rank per worker.
+"""`spardl train`: data-parallel training on real data, one MPI rank per worker.
 
-The data are scikit-learn's handwritten digits (1,797 real 8×8 grey images, 10 classes, shipped
-with scikit-learn: no download). The split into training and test sets is fixed by ``--seed``;
-each rank trains on its own shard of the training set and the ranks' gradients are averaged every
-step by a spardl allreducer (sparse, or the dense baseline), either in a plain training loop
-(:class:`spardl.torch.SparseGradientReducer`, the papers' setup) or as a DDP communication hook.
+Two tasks. ``--task digits`` (the default) trains a small CNN on scikit-learn's handwritten digits
+(1,797 real 8×8 grey images, 10 classes, shipped with scikit-learn: no download), by epochs.
+``--task lm`` trains a small character-level transformer language model on CPython's reference
+documentation (``pydoc_data.topics``), by steps (:mod:`spardl.lm`). The split into training and
+held-out sets is fixed by ``--seed``; each rank trains on its own shard of the training set and
+the ranks' gradients are averaged every step by a spardl allreducer (sparse, or the dense
+baseline), either in a plain training loop (:class:`spardl.torch.SparseGradientReducer`, the
+papers' setup) or as a DDP communication hook.
 
-Run it with ``mpiexec -n P python -m spardl train ...``. Determinism: the model is initialised from
-``--seed`` on every rank (identical replicas), each rank shuffles its shard from (seed, rank,
-epoch), torch runs one thread per rank with deterministic algorithms, so a run resumed from a
-checkpoint continues bit for bit as the uninterrupted run.
+Run it with ``mpiexec -n P python -m spardl train ...``. Determinism: the model is initialised
+from ``--seed`` on every rank (identical replicas), each rank draws its batches from
+(seed, rank, epoch) or (seed, rank, step), torch runs one thread per rank with deterministic
+algorithms, so a run resumed from a checkpoint continues bit for bit as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ __all__ = [
     "run",
 ]
 
-#: Defaults of the training job, tuned so that SparDL at 1% density on 4 ranks reaches the
-#: dense baseline's accuracy (docs/performance.md, "Training").
+#: Defaults of the training job (the digits task; :data:`spardl.lm.DEFAULTS` has the lm task's),
+#: tuned so that SparDL at 1% density on 4 ranks reaches the dense baseline's accuracy
+#: (docs/performance.md, "Training").
 DEFAULTS = {
+    "task": "digits",
     "algorithm": "spardl",
     "density": 0.01,
     "teams": 1,
@@ -85,15 +90,31 @@ _RANGED = {
     "width": POSITIVE_INT,
     "warmup_steps": NONNEGATIVE_INT,
     "stop_after": POSITIVE_INT,
+    "steps": POSITIVE_INT,
+    "eval_every": POSITIVE_INT,
+    "layers": POSITIVE_INT,
+    "heads": POSITIVE_INT,
+    "context": POSITIVE_INT,
 }
 _OPTIONAL = ("warmup_steps", "stop_after")
+#: Options of one task only (None unless given), and the per-task defaults filled in by run().
+_TASK_ONLY = {"digits": ("epochs",), "lm": ("steps", "eval_every", "layers", "heads", "context")}
+_PER_TASK = ("epochs", "batch_size", "lr", "width", *_TASK_ONLY["lm"])
 
 
 def add_arguments(p) -> None:
     """Add the training options to an argparse parser (values range-checked at parse time)."""
     from . import ALGORITHMS
+    from .lm import DEFAULTS as lm
 
     d = DEFAULTS
+    p.add_argument(
+        "--task",
+        choices=("digits", "lm"),
+        default=d["task"],
+        help="digits: a CNN on scikit-learn's digits, by epochs; lm: a character-level "
+        "transformer on pydoc_data.topics, by steps (default: %(default)s)",
+    )
     p.add_argument(
         "--algorithm",
         choices=sorted(ALGORITHMS),
@@ -119,31 +140,68 @@ def add_arguments(p) -> None:
         help="error feedback mode (default: %(default)s)",
     )
     p.add_argument(
-        "--epochs", type=_RANGED["epochs"], default=d["epochs"], help="default: %(default)s"
+        "--epochs",
+        type=_RANGED["epochs"],
+        default=None,
+        help=f"digits only (default: {d['epochs']})",
+    )
+    p.add_argument(
+        "--steps",
+        type=_RANGED["steps"],
+        default=None,
+        help=f"lm only: training steps (default: {lm['steps']})",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=_RANGED["eval_every"],
+        default=None,
+        metavar="STEPS",
+        help="lm only: evaluate and checkpoint every STEPS steps and after the last "
+        f"(default: {lm['eval_every']})",
     )
     p.add_argument(
         "--batch-size",
         type=_RANGED["batch_size"],
-        default=d["batch_size"],
-        help="per-rank batch size (default: %(default)s)",
+        default=None,
+        help=f"per-rank batch size (default: {d['batch_size']}; lm: {lm['batch_size']} windows)",
     )
     p.add_argument(
         "--lr",
         type=_RANGED["lr"],
-        default=d["lr"],
-        help="peak SGD learning rate, cosine-annealed to 0 (default: %(default)s)",
+        default=None,
+        help=f"peak learning rate, cosine-annealed to 0 (default: SGD {d['lr']}; lm: AdamW "
+        f"{lm['lr']} after a linear warm-up over the first 5%% of the steps)",
     )
     p.add_argument(
         "--momentum",
         type=_RANGED["momentum"],
         default=d["momentum"],
-        help="SGD momentum (default: %(default)s)",
+        help="SGD momentum; lm: AdamW's beta1 (default: %(default)s)",
     )
     p.add_argument(
         "--width",
         type=_RANGED["width"],
-        default=d["width"],
-        help="channels of the first convolution (default: %(default)s)",
+        default=None,
+        help=f"channels of the first convolution (default: {d['width']}); lm: the model "
+        f"dimension (default: {lm['width']})",
+    )
+    p.add_argument(
+        "--layers",
+        type=_RANGED["layers"],
+        default=None,
+        help=f"lm only: transformer blocks (default: {lm['layers']})",
+    )
+    p.add_argument(
+        "--heads",
+        type=_RANGED["heads"],
+        default=None,
+        help=f"lm only: attention heads, dividing --width (default: {lm['heads']})",
+    )
+    p.add_argument(
+        "--context",
+        type=_RANGED["context"],
+        default=None,
+        help=f"lm only: characters per window (default: {lm['context']})",
     )
     p.add_argument("--seed", type=int, default=d["seed"], help="default: %(default)s")
     p.add_argument(
@@ -164,7 +222,10 @@ def add_arguments(p) -> None:
         "--out", type=Path, default=None, help="write DIR/metrics.json and DIR/training.png"
     )
     p.add_argument(
-        "--checkpoint", type=Path, default=None, help="save PATH.rank{r}.pt after every epoch"
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="save PATH.rank{r}.pt after every epoch (lm: every evaluation)",
     )
     p.add_argument(
         "--resume",
@@ -176,9 +237,9 @@ def add_arguments(p) -> None:
         "--stop-after",
         type=_RANGED["stop_after"],
         default=None,
-        metavar="EPOCHS",
-        help="stop after this many epochs as if interrupted (the schedule still "
-        "spans --epochs; resume with --resume)",
+        metavar="N",
+        help="stop after N epochs (lm: N steps, a multiple of --eval-every) as if "
+        "interrupted (the schedule still spans --epochs or --steps; resume with --resume)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -188,15 +249,55 @@ class UsageError(ValueError):
     any communication, so every rank can report it and exit without aborting the job."""
 
 
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _resolve_task(args) -> None:
+    """Fill in the task's defaults (``args.task`` is "digits" if absent); UsageError for an
+    option of the other task."""
+    from . import lm
+
+    task = getattr(args, "task", None) or "digits"
+    if task not in _TASK_ONLY:
+        raise UsageError(f"--task must be digits or lm, got {task!r}")
+    args.task = task
+    for other, names in _TASK_ONLY.items():
+        for name in names:
+            if other != task and getattr(args, name, None) is not None:
+                raise UsageError(f"{_option(name)} applies to --task {other} only")
+    defaults = DEFAULTS if task == "digits" else lm.DEFAULTS
+    for name in _PER_TASK:
+        if getattr(args, name, None) is None:
+            setattr(args, name, defaults.get(name))
+
+
+def _task_options(args) -> set:
+    other = "lm" if args.task == "digits" else "digits"
+    return set(_PER_TASK) - set(_TASK_ONLY[other])
+
+
 def _check_args(args, P: int) -> None:
     for name, kind in _RANGED.items():
-        v = getattr(args, name)
-        if not (v is None and name in _OPTIONAL) and not kind.ok(v):
-            raise UsageError(f"--{name.replace('_', '-')} must be {kind.what}, got {v}")
-    if args.stop_after is not None and args.stop_after > args.epochs:
+        v = getattr(args, name, None)
+        unused = name in _OPTIONAL or (name in _PER_TASK and name not in _task_options(args))
+        if not (v is None and unused) and not kind.ok(v):
+            raise UsageError(f"{_option(name)} must be {kind.what}, got {v}")
+    if args.task == "digits" and args.stop_after is not None and args.stop_after > args.epochs:
         raise UsageError(
             f"--stop-after must be in [1, --epochs={args.epochs}], got {args.stop_after}"
         )
+    if args.task == "lm":
+        if args.width % args.heads:
+            raise UsageError(f"--heads must divide --width={args.width}, got {args.heads}")
+        stop = args.stop_after
+        if stop is not None and (
+            stop > args.steps or (stop % args.eval_every and stop != args.steps)
+        ):
+            raise UsageError(
+                f"--stop-after must be a multiple of --eval-every={args.eval_every} (or "
+                f"--steps) in [1, --steps={args.steps}], got {stop}"
+            )
     if args.algorithm != "spardl" and args.teams != 1:
         raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
     if args.algorithm == "spardl" and P % args.teams:
@@ -296,13 +397,153 @@ def _accuracy(model, x, y) -> float:
     return float((pred == y).float().mean())
 
 
+class _Trainer:
+    """What the tasks' training loops share: the options, the job's own communicator, the
+    model and its optimizer, the allreducer (a reducer, or DDP with the hook), progress and
+    checkpoints."""
+
+    def __init__(self, args, job, model, net, opt, reducer, hook_state, t_start):
+        self.args, self.job, self.rank, self.P = args, job, job.rank, job.size
+        self.model, self.net, self.opt = model, net, opt
+        self.reducer, self.hook_state, self.t_start = reducer, hook_state, t_start
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.stats = (reducer if reducer is not None else hook_state).stats
+        self.progress = None
+
+    def start_progress(self, total: int) -> None:
+        """A progress bar of ``total`` steps on rank 0 (unless ``--no-progress``)."""
+        if self.rank == 0 and not self.args.no_progress:
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=max(0, total), unit="step", leave=False, dynamic_ncols=True)
+
+    def log(self, line: str) -> None:
+        """Print a line on rank 0 (above the progress bar)."""
+        if self.rank == 0:
+            (self.progress.write if self.progress is not None else print)(line)
+
+    def step(self, loss_of) -> float:
+        """One training step: ``loss_of(net)``, backward, gradient allreduce, optimizer step;
+        returns the local loss."""
+        self.opt.zero_grad(set_to_none=False)
+        loss = loss_of(self.net)
+        loss.backward()
+        if self.reducer is not None:
+            self.reducer.reduce()
+        self.opt.step()
+        if self.progress is not None:
+            self.progress.update()
+        return loss.detach().item()
+
+    def bytes_sent_by_rank(self) -> np.ndarray:
+        """Bytes sent so far by each rank's allreducer (collective)."""
+        return self.job.allgather_array(np.array([self.stats["bytes_sent"]], dtype=np.int64))[:, 0]
+
+    def bytes_sent_per_rank(self) -> float:
+        """Mean of :meth:`bytes_sent_by_rank` (collective)."""
+        return float(self.bytes_sent_by_rank().mean())
+
+    def save(self, position: dict) -> None:
+        """Write this rank's checkpoint (if ``--checkpoint``): ``position`` (the loop's place
+        and history) with the model, optimizer and allreducer states."""
+        args = self.args
+        if args.checkpoint is None:
+            return
+        import torch
+
+        args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        ck = {
+            **position,
+            "task": args.task,
+            "world_size": self.P,
+            "rank": self.rank,
+            "algorithm": args.algorithm,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "reducer": (self.reducer or self.hook_state).state_dict(),
+            "elapsed": time.perf_counter() - self.t_start,
+        }
+        torch.save(ck, _ckpt_path(args.checkpoint, self.rank))
+
+
+def _digits_setup(args, rank: int, P: int):
+    import torch
+
+    x_tr, y_tr, x_te, y_te = load_digits_split(args.seed, DEFAULTS["test_fraction"])
+    shard = np.arange(rank, len(x_tr), P)  # rank r trains on samples r, r+P, ...
+    data = {
+        "x": torch.from_numpy(x_tr[shard]),
+        "y": torch.from_numpy(y_tr[shard]),
+        "x_test": torch.from_numpy(x_te),
+        "y_test": torch.from_numpy(y_te),
+        "n_train": len(x_tr),
+        # Every rank takes the same number of steps (a collective per step): the smallest shard.
+        "steps_per_epoch": math.ceil((len(x_tr) // P) / args.batch_size),
+    }
+    torch.manual_seed(args.seed)  # identical initial replicas on every rank
+    return data, build_model(args.width)
+
+
+def _train_digits(tr: _Trainer, data: dict, resumed: dict | None) -> tuple[list[dict], dict]:
+    """The digits training loop (epochs); evaluation on rank 0 after every epoch."""
+    import torch
+    import torch.nn.functional as F
+
+    args, job, rank, P = tr.args, tr.job, tr.rank, tr.P
+    x_sh, y_sh, steps_per_epoch = data["x"], data["y"], data["steps_per_epoch"]
+    history = resumed["history"] if resumed else []
+    start_epoch = resumed["epoch"] if resumed else 0
+    last_epoch = args.epochs if args.stop_after is None else args.stop_after
+    tr.start_progress((last_epoch - start_epoch) * steps_per_epoch)
+    tr.log(
+        f"spardl train: {args.algorithm} P={P} density={args.density} n={tr.n_params} "
+        f"params, {data['n_train']} train / {len(data['x_test'])} test images, "
+        f"{steps_per_epoch} steps/epoch"
+    )
+    for epoch in range(start_epoch, last_epoch):
+        t_epoch = time.perf_counter()
+        order = np.random.default_rng([args.seed, rank, epoch]).permutation(len(x_sh))
+        order = torch.from_numpy(order)
+        tr.model.train()
+        loss_sum = 0.0
+        for s in range(steps_per_epoch):
+            idx = order[s * args.batch_size : (s + 1) * args.batch_size]
+            _set_lr(tr.opt, args.lr, epoch * steps_per_epoch + s, args.epochs * steps_per_epoch)
+            loss_sum += tr.step(lambda net, idx=idx: F.cross_entropy(net(x_sh[idx]), y_sh[idx]))
+        mean_loss = float(job.allreduce(np.array([loss_sum / steps_per_epoch]))[0] / P)
+        entry = {
+            "epoch": epoch + 1,
+            "loss": mean_loss,
+            "test_accuracy": None,
+            "bytes_sent_per_rank": tr.bytes_sent_per_rank(),
+            "seconds": time.perf_counter() - t_epoch,
+        }
+        if rank == 0:
+            tr.model.eval()
+            entry["test_accuracy"] = _accuracy(tr.model, data["x_test"], data["y_test"])
+            tr.log(
+                f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  "
+                f"test acc {entry['test_accuracy']:.2%}  "
+                f"sent/rank {entry['bytes_sent_per_rank'] / 1e6:.3f} MB  "
+                f"time {entry['seconds']:.1f}s"
+            )
+        history.append(entry)
+        tr.save({"epoch": epoch + 1, "history": history})
+    return history, {
+        "epochs": args.epochs,
+        "steps_per_epoch": steps_per_epoch,
+        "final_test_accuracy": history[-1]["test_accuracy"] if history else None,
+    }
+
+
 def run(args, world) -> dict | None:
     """Train under MPI; collective over ``world`` (an mpi4py intracommunicator).
 
     Parameters
     ----------
     args : argparse.Namespace
-        The options of :func:`add_arguments`.
+        The options of :func:`add_arguments` (``task`` and the options that default by task may
+        be absent or None: the task's defaults are filled in).
     world : mpi4py.MPI.Intracomm
         The ranks of the job (P = its size).
 
@@ -314,18 +555,20 @@ def run(args, world) -> dict | None:
     Raises
     ------
     UsageError
-        A subclass of ValueError, on every rank before training: an option out of range,
-        ``--teams`` not dividing P, or (checked collectively) a ``--resume`` checkpoint missing
-        on some rank or an ``--out`` / ``--checkpoint`` directory that cannot be made.
+        A subclass of ValueError, on every rank before training: an option out of range or of
+        the other task, ``--teams`` not dividing P, ``--heads`` not dividing ``--width``, or
+        (checked collectively) a ``--resume`` checkpoint missing on some rank or an ``--out`` /
+        ``--checkpoint`` directory that cannot be made.
     ValueError, TypeError
-        The allreducer's own checks, on every rank.
+        The allreducer's own checks, on every rank; a ``--resume`` checkpoint of another
+        configuration.
     """
     import torch
-    import torch.nn.functional as F
 
     from .comm import Comm
     from .torch import SparseGradientReducer, SparseHookState, sparse_allreduce_hook
 
+    _resolve_task(args)
     _check_args(args, world.Get_size())
     t_start = time.perf_counter()
     torch.set_num_threads(1)  # P ranks share the machine's cores
@@ -334,21 +577,20 @@ def run(args, world) -> dict | None:
     rank, P = job.rank, job.size
     _check_paths(args, job)
 
-    x_tr, y_tr, x_te, y_te = load_digits_split(args.seed, DEFAULTS["test_fraction"])
-    shard = np.arange(rank, len(x_tr), P)  # rank r trains on samples r, r+P, ...
-    x_sh = torch.from_numpy(x_tr[shard])
-    y_sh = torch.from_numpy(y_tr[shard])
-    x_te_t, y_te_t = torch.from_numpy(x_te), torch.from_numpy(y_te)
-    # Every rank takes the same number of steps (a collective per step): the smallest shard.
-    steps_per_epoch = math.ceil((len(x_tr) // P) / args.batch_size)
+    if args.task == "lm":
+        from . import lm
 
-    torch.manual_seed(args.seed)  # identical initial replicas on every rank
-    model = build_model(args.width)
-    n_params = sum(p.numel() for p in model.parameters())
+        torch.manual_seed(args.seed)  # identical initial replicas on every rank
+        data, model = lm.setup(args, rank, P)
+        loop = lm.train
+    else:
+        data, model = _digits_setup(args, rank, P)
+        loop = _train_digits
     options = {"density": args.density, "residual": args.residual}
     if args.algorithm == "spardl":
         options["teams"] = args.teams
 
+    hook_state = reducer = None
     if args.hook == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -361,106 +603,42 @@ def run(args, world) -> dict | None:
         )
         net = DDP(model)
         net.register_comm_hook(hook_state, sparse_allreduce_hook)
-        reducer = None
-        stats = hook_state.stats
     else:
         warm = 0 if args.warmup_steps is None else args.warmup_steps
         reducer = SparseGradientReducer(
             model.named_parameters(), world, args.algorithm, warmup_steps=warm, **options
         )
         net = model
-        stats = reducer.stats
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    if args.task == "lm":
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=(args.momentum, 0.99), weight_decay=0.0
+        )
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
 
-    history: list[dict] = []
-    start_epoch = 0
+    resumed = None
     if args.resume is not None:
         ck = torch.load(_ckpt_path(args.resume, rank), weights_only=False)  # exists: _check_paths
-        if (ck["world_size"], ck["algorithm"]) != (P, args.algorithm):
+        mine = (P, args.algorithm, args.task)
+        theirs = (ck["world_size"], ck["algorithm"], ck.get("task", "digits"))
+        if theirs != mine:
             raise ValueError(
-                f"--resume: checkpoint is for P={ck['world_size']}, {ck['algorithm']}; "
-                f"this run has P={P}, {args.algorithm}"
+                f"--resume: checkpoint is for P={theirs[0]}, {theirs[1]}, --task {theirs[2]}; "
+                f"this run has P={P}, {args.algorithm}, --task {args.task}"
             )
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         (reducer if reducer is not None else hook_state).load_state_dict(ck["reducer"])
-        history = ck["history"]
-        start_epoch = ck["epoch"]
+        resumed = ck
         t_start -= ck.get("elapsed", 0.0)
 
-    last_epoch = args.epochs if args.stop_after is None else args.stop_after
-    progress = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(
-            total=max(0, last_epoch - start_epoch) * steps_per_epoch,
-            unit="step",
-            leave=False,
-            dynamic_ncols=True,
-        )
-    log = progress.write if progress is not None else print
-    if rank == 0:
-        log(
-            f"spardl train: {args.algorithm} P={P} density={args.density} n={n_params} "
-            f"params, {len(x_tr)} train / {len(x_te)} test images, {steps_per_epoch} steps/epoch"
-        )
-
-    for epoch in range(start_epoch, last_epoch):
-        t_epoch = time.perf_counter()
-        order = np.random.default_rng([args.seed, rank, epoch]).permutation(len(x_sh))
-        order = torch.from_numpy(order)
-        model.train()
-        loss_sum = 0.0
-        for s in range(steps_per_epoch):
-            idx = order[s * args.batch_size : (s + 1) * args.batch_size]
-            _set_lr(opt, args.lr, epoch * steps_per_epoch + s, args.epochs * steps_per_epoch)
-            opt.zero_grad(set_to_none=False)
-            loss = F.cross_entropy(net(x_sh[idx]), y_sh[idx])
-            loss.backward()
-            if reducer is not None:
-                reducer.reduce()
-            opt.step()
-            loss_sum += loss.detach().item()
-            if progress is not None:
-                progress.update()
-        mean_loss = float(job.allreduce(np.array([loss_sum / steps_per_epoch]))[0] / P)
-        sent = job.allgather_array(np.array([stats["bytes_sent"]], dtype=np.int64))[:, 0]
-        entry = {
-            "epoch": epoch + 1,
-            "loss": mean_loss,
-            "test_accuracy": None,
-            "bytes_sent_per_rank": float(sent.mean()),
-            "seconds": time.perf_counter() - t_epoch,
-        }
-        if rank == 0:
-            model.eval()
-            entry["test_accuracy"] = _accuracy(model, x_te_t, y_te_t)
-            log(
-                f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  "
-                f"test acc {entry['test_accuracy']:.2%}  "
-                f"sent/rank {entry['bytes_sent_per_rank'] / 1e6:.3f} MB  "
-                f"time {entry['seconds']:.1f}s"
-            )
-        history.append(entry)
-        if args.checkpoint is not None:
-            args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            ck = {
-                "epoch": epoch + 1,
-                "world_size": P,
-                "rank": rank,
-                "algorithm": args.algorithm,
-                "model": model.state_dict(),
-                "optimizer": opt.state_dict(),
-                "reducer": (reducer if reducer is not None else hook_state).state_dict(),
-                "history": history,
-                "elapsed": time.perf_counter() - t_start,
-            }
-            torch.save(ck, _ckpt_path(args.checkpoint, rank))
-    if progress is not None:
-        progress.close()
+    tr = _Trainer(args, job, model, net, opt, reducer, hook_state, t_start)
+    history, task_metrics = loop(tr, data, resumed)
+    if tr.progress is not None:
+        tr.progress.close()
+        tr.progress = None
     wall = time.perf_counter() - t_start
-    sent = job.allgather_array(np.array([stats["bytes_sent"]], dtype=np.int64))[:, 0]
+    sent = tr.bytes_sent_by_rank()
     if reducer is None:
         import torch.distributed as dist
 
@@ -470,21 +648,20 @@ def run(args, world) -> dict | None:
         return None
 
     metrics = {
+        "task": args.task,
         "algorithm": args.algorithm,
         "world_size": P,
         "density": args.density,
         "teams": args.teams,
         "residual": args.residual,
         "hook": args.hook,
-        "epochs": args.epochs,
         "batch_size": args.batch_size,
         "lr": args.lr,
         "momentum": args.momentum,
         "width": args.width,
         "seed": args.seed,
-        "n_params": n_params,
-        "steps_per_epoch": steps_per_epoch,
-        "final_test_accuracy": history[-1]["test_accuracy"] if history else None,
+        "n_params": tr.n_params,
+        **task_metrics,
         "wall_seconds": wall,
         "bytes_sent_per_rank": float(sent.mean()),
         "bytes_sent_by_rank": [int(b) for b in sent],
@@ -493,9 +670,38 @@ def run(args, world) -> dict | None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        _plot(metrics, args.out / "training.png")
-        log(f"wrote {args.out / 'metrics.json'} and {args.out / 'training.png'}")
+        (_plot_lm if args.task == "lm" else _plot)(metrics, args.out / "training.png")
+        tr.log(f"wrote {args.out / 'metrics.json'} and {args.out / 'training.png'}")
     return metrics
+
+
+def _plot_lm(metrics: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = metrics["history"]
+    bpc = [e["val_bits_per_char"] for e in h]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, x, label in (
+        (axes[0], [e["step"] for e in h], "step"),
+        (axes[1], [e["seconds"] for e in h], "training seconds (evaluation excluded)"),
+    ):
+        ax.plot(x, bpc, marker="o", ms=3)
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation bits per character")
+        ax.grid(alpha=0.3)
+    axes[2].plot([e["step"] for e in h], [e["bytes_sent_per_rank"] / 1e6 for e in h], marker="o")
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("bytes sent per rank (MB, cumulative)")
+    axes[2].grid(alpha=0.3)
+    fig.suptitle(
+        f"lm: {metrics['algorithm']}, P={metrics['world_size']}, density={metrics['density']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _plot(metrics: dict, path: Path) -> None:

@@ -72,6 +72,7 @@ def one_epoch(runs):
 def test_smoke_one_epoch_writes_metrics(one_epoch, runs):
     m = json.loads((runs / "one" / "metrics.json").read_text())
     assert REQUIRED <= set(m)
+    assert m["task"] == "digits"
     assert m["algorithm"] == "spardl" and m["world_size"] == 2 and m["density"] == 0.01
     assert m["epochs"] == 2 and len(m["history"]) == 1
     assert 0.0 <= m["final_test_accuracy"] <= 1.0
