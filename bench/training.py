@@ -14,6 +14,10 @@ against seconds inside the training loop, evaluation excluded) to ``--out``/time
 
 "Time to dense − 1 pt" is the training time a run needs to first reach the dense run's final test
 accuracy minus one point (same seed), at epoch granularity; "—" if it never does.
+
+``--task lm`` runs the character-level transformer instead (``spardl train --task lm``, by
+``--steps``): the table reports the final validation bits per character, and the time to reach
+the dense run's final bits per character + 3%, at evaluation granularity.
 """
 
 from __future__ import annotations
@@ -40,13 +44,29 @@ CONFIGS = {
 
 
 def time_to(history: list[dict], target: float) -> float | None:
-    """Training seconds until the test accuracy first reaches ``target`` (None if never)."""
+    """Training seconds until the test accuracy first reaches ``target`` (None if never); for
+    lm histories, until the validation bits per character first fall to ``target``."""
     t = 0.0
     for e in history:
+        if "val_bits_per_char" in e:  # lm: seconds are cumulative
+            if e["val_bits_per_char"] is not None and e["val_bits_per_char"] <= target:
+                return e["seconds"]
+            continue
         t += e["seconds"]
         if e["test_accuracy"] is not None and e["test_accuracy"] >= target:
             return t
     return None
+
+
+def _curve(m: dict) -> list[tuple[float, float]]:
+    """(training seconds, test accuracy % or validation bits/char) after each evaluation."""
+    if m.get("task") == "lm":
+        return [(e["seconds"], e["val_bits_per_char"]) for e in m["history"]]
+    t, out = 0.0, []
+    for e in m["history"]:
+        t += e["seconds"]
+        out.append((t, 100 * e["test_accuracy"]))
+    return out
 
 
 def _plot(rows, path: Path, title: str) -> None:
@@ -60,23 +80,51 @@ def _plot(rows, path: Path, title: str) -> None:
     for label, seed, m in rows:
         if seed != seed0:
             continue
-        t, acc = 0.0, []
-        for e in m["history"]:
-            t += e["seconds"]
-            acc.append((t, 100 * e["test_accuracy"]))
-        ax.plot(*zip(*acc, strict=True), marker="o", ms=3, label=label)
+        ax.plot(*zip(*_curve(m), strict=True), marker="o", ms=3, label=label)
     dense = [m for lab, s, m in rows if lab == "dense" and s == seed0]
+    lm = rows[0][2].get("task") == "lm"
     if dense:
-        ax.axhline(100 * dense[0]["final_test_accuracy"] - 1, color="grey", ls=":", lw=1)
+        d = dense[0]
+        target = 1.03 * d["final_val_bits_per_char"] if lm else 100 * d["final_test_accuracy"] - 1
+        ax.axhline(target, color="grey", ls=":", lw=1)
     ax.set_xlabel("training seconds (evaluation excluded)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_ylim(80, 100)
+    ax.set_ylabel("validation bits per character" if lm else "test accuracy (%)")
+    if not lm:
+        ax.set_ylim(80, 100)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _lm_table(rows, dense_by_seed: dict, where: str, density: float) -> list[str]:
+    """The Markdown table of an lm run: final validation bits/char, bytes, time to dense + 3%."""
+    m0 = rows[0][2]
+    lines = [
+        f"{where}; --task lm, density {density}, {m0['steps']} steps, batch "
+        f"{m0['batch_size']}×{m0['context']} characters/rank, lr {m0['lr']}, "
+        f"{m0['n_params']} parameters",
+        "",
+        "| run | seed | val bits/char | Δ vs dense (%) | val acc | MB sent/rank "
+        "| % of dense bytes | train s | time to dense + 3% (s) | × dense's time | job s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, seed, m in rows:
+        d = dense_by_seed[seed]
+        bpc, dense_bpc = m["final_val_bits_per_char"], d["final_val_bits_per_char"]
+        frac = 100 * m["bytes_sent_per_rank"] / d["bytes_sent_per_rank"]
+        target = 1.03 * dense_bpc
+        tt, td = time_to(m["history"], target), time_to(d["history"], target)
+        m["time_to_dense_plus_3pct"] = tt
+        lines.append(
+            f"| {label} | {seed} | {bpc:.3f} | {100 * (bpc / dense_bpc - 1):+.2f} "
+            f"| {100 * m['final_val_accuracy']:.2f}% | {m['bytes_sent_per_rank'] / 1e6:.3f} "
+            f"| {frac:.2f}% | {m['wall_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
+            f"| {'—' if tt is None or not td else f'{tt / td:.2f}'} | {m['job_seconds']:.1f} |"
+        )
+    return lines
 
 
 def main(argv=None) -> int:
@@ -91,8 +139,11 @@ def main(argv=None) -> int:
         choices=sorted(CONFIGS),
         help="runs per seed (default: %(default)s); dense is added if missing",
     )
+    p.add_argument("--task", choices=("digits", "lm"), default="digits")
     p.add_argument("--epochs", type=int, default=None, help="default: the train default")
-    p.add_argument("--width", type=int, default=None, help="CNN width (default: the train one)")
+    p.add_argument("--steps", type=int, default=None, help="lm: default: the train default")
+    p.add_argument("--eval-every", type=int, default=None, help="lm: default: the train default")
+    p.add_argument("--width", type=int, default=None, help="model width (default: the train one)")
     p.add_argument("--bandwidth", default=None, help="run on emulated nodes with this link rate")
     p.add_argument("--out", type=Path, default=Path("runs/bench-training"))
     p.add_argument("--timeout", type=float, default=900)
@@ -104,6 +155,8 @@ def main(argv=None) -> int:
         for label in configs:
             out = args.out / f"{label}-seed{seed}"
             train_args = [
+                "--task",
+                args.task,
                 *CONFIGS[label],
                 "--density",
                 str(args.density),
@@ -115,8 +168,9 @@ def main(argv=None) -> int:
             ]
             if args.epochs is not None:
                 train_args += ["--epochs", str(args.epochs)]
-            if args.width is not None:
-                train_args += ["--width", str(args.width)]
+            for name in ("width", "steps", "eval_every"):
+                if getattr(args, name) is not None:
+                    train_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
             job_s = launch_train(args.world_size, train_args, args.timeout, args.bandwidth)
             m = json.loads((out / "metrics.json").read_text())
             m["job_seconds"] = job_s
@@ -129,27 +183,30 @@ def main(argv=None) -> int:
         else f"P = {args.world_size}, shared memory"
     )
     m0 = rows[0][2]
-    lines = [
-        f"{where}; density {args.density}, {m0['epochs']} epochs, batch {m0['batch_size']}/rank, "
-        f"lr {m0['lr']}, {m0['n_params']} parameters",
-        "",
-        "| run | seed | test acc | Δ vs dense (points) | MB sent/rank | % of dense bytes "
-        "| train s | time to dense − 1 pt (s) | × dense's time | job s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for label, seed, m in rows:
-        d = dense_by_seed[seed]
-        delta = 100 * (m["final_test_accuracy"] - d["final_test_accuracy"])
-        frac = 100 * m["bytes_sent_per_rank"] / d["bytes_sent_per_rank"]
-        target = d["final_test_accuracy"] - 0.01
-        tt, td = time_to(m["history"], target), time_to(d["history"], target)
-        m["time_to_dense_minus_1pt"] = tt
-        lines.append(
-            f"| {label} | {seed} | {100 * m['final_test_accuracy']:.2f}% | {delta:+.2f} "
-            f"| {m['bytes_sent_per_rank'] / 1e6:.3f} | {frac:.2f}% "
-            f"| {m['wall_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
-            f"| {'—' if tt is None or not td else f'{tt / td:.2f}'} | {m['job_seconds']:.1f} |"
-        )
+    if args.task == "lm":
+        lines = _lm_table(rows, dense_by_seed, where, args.density)
+    else:
+        lines = [
+            f"{where}; density {args.density}, {m0['epochs']} epochs, "
+            f"batch {m0['batch_size']}/rank, lr {m0['lr']}, {m0['n_params']} parameters",
+            "",
+            "| run | seed | test acc | Δ vs dense (points) | MB sent/rank | % of dense bytes "
+            "| train s | time to dense − 1 pt (s) | × dense's time | job s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for label, seed, m in rows:
+            d = dense_by_seed[seed]
+            delta = 100 * (m["final_test_accuracy"] - d["final_test_accuracy"])
+            frac = 100 * m["bytes_sent_per_rank"] / d["bytes_sent_per_rank"]
+            target = d["final_test_accuracy"] - 0.01
+            tt, td = time_to(m["history"], target), time_to(d["history"], target)
+            m["time_to_dense_minus_1pt"] = tt
+            lines.append(
+                f"| {label} | {seed} | {100 * m['final_test_accuracy']:.2f}% | {delta:+.2f} "
+                f"| {m['bytes_sent_per_rank'] / 1e6:.3f} | {frac:.2f}% "
+                f"| {m['wall_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
+                f"| {'—' if tt is None or not td else f'{tt / td:.2f}'} | {m['job_seconds']:.1f} |"
+            )
     table = "\n".join(lines)
     print()
     print(table)
