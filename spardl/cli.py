@@ -78,7 +78,8 @@ def add_train(sub) -> None:
         "train",
         help="data-parallel training on real data (run under mpiexec -n P)",
         description="Data-parallel training of a small CNN on scikit-learn's digits (8x8 "
-        "images), each MPI rank on its shard, gradients averaged by a spardl "
+        "images), or with --task lm of a character-level transformer on CPython's "
+        "pydoc_data.topics, each MPI rank on its shard, gradients averaged by a spardl "
         "allreducer. Run as: mpiexec -n 4 python -m spardl train --out runs/x",
     )
     train.add_arguments(p)
