@@ -460,7 +460,7 @@ class _Trainer:
             "algorithm": args.algorithm,
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),
-            "reducer": (self.reducer or self.hook_state).state_dict(),
+            "reducer": (self.reducer if self.reducer is not None else self.hook_state).state_dict(),
             "elapsed": time.perf_counter() - self.t_start,
         }
         torch.save(ck, _ckpt_path(args.checkpoint, self.rank))
