@@ -19,6 +19,10 @@ of the gradient (the cast is done once, outside the timed calls; mpi4py maps flo
 spardl counts a dense allreduce: one message, 2·m·(P−1)/P bytes each way for m bytes. Rank 0
 prints one table: time, bytes and messages per rank per call, and the time as a ratio to both
 raw rows, bytes and messages as a ratio to the raw row of the gradient's dtype.
+
+Across emulated nodes (``spardl cluster run ... -- python bench/allreduce.py``, or
+bench/cluster.py), each row also gets ``link_tx_bytes``: what each node's link sent per timed
+call (Ethernet frames, from the node's interface counters, mean over nodes).
 """
 
 from __future__ import annotations
@@ -87,10 +91,24 @@ def gradient(n, rank, seed, dtype):
     return (rng.standard_t(3, n) * 1e-3).astype(dtype)
 
 
+def _link_tx(comm):
+    """Bytes the links of all nodes have sent so far (each node's counter read by its first
+    rank), and the number of nodes; None outside an emulated cluster (``spardl cluster``)."""
+    from spardl.cluster import node_counters
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    c = node_counters() if node.rank == 0 else None
+    node.Free()
+    here = comm.allreduce(0 if c is None else 1)
+    return None if here == 0 else (comm.allreduce(0 if c is None else c["tx_bytes"]), here)
+
+
 def _median_time(comm, call, warmup, repeat):
-    """Median over ``repeat`` timed calls (each after a barrier) of the slowest rank's time."""
+    """Median over ``repeat`` timed calls (each after a barrier) of the slowest rank's time,
+    and the bytes each node's link sent per call (mean over nodes; None outside a cluster)."""
     for _ in range(warmup):
         call()
+    before = _link_tx(comm)
     times = []
     for _ in range(repeat):
         comm.Barrier()
@@ -98,7 +116,9 @@ def _median_time(comm, call, warmup, repeat):
         call()
         t = MPI.Wtime() - t0
         times.append(comm.allreduce(t, op=MPI.MAX))
-    return float(np.median(times))
+    after = _link_tx(comm)
+    link = None if before is None else (after[0] - before[0]) / after[1] / repeat
+    return float(np.median(times)), link
 
 
 def measure(comm, make, g, warmup, repeat):
@@ -107,12 +127,12 @@ def measure(comm, make, g, warmup, repeat):
     for _ in range(warmup):
         ar(g)
     s0 = {k: ar.stats[k] for k in ("messages", "bytes_sent")}
-    t = _median_time(comm, lambda ar=ar: ar(g), 0, repeat)
+    t, link = _median_time(comm, lambda ar=ar: ar(g), 0, repeat)
     per = {k: (ar.stats[k] - s0[k]) / repeat for k in s0}
     mean = {k: comm.allreduce(v, op=MPI.SUM) / comm.size for k, v in per.items()}
     del ar
     gc.collect()
-    return t, mean["bytes_sent"], mean["messages"]
+    return t, mean["bytes_sent"], mean["messages"], link
 
 
 def measure_raw(comm, send, warmup, repeat):
@@ -120,9 +140,9 @@ def measure_raw(comm, send, warmup, repeat):
     :func:`measure` times an allreducer; bytes and messages as spardl counts a dense allreduce
     (one message, 2·m·(P−1)/P bytes for m bytes; nothing at P = 1)."""
     recv = np.empty_like(send)
-    t = _median_time(comm, lambda: comm.Allreduce(send, recv, op=MPI.SUM), warmup, repeat)
+    t, link = _median_time(comm, lambda: comm.Allreduce(send, recv, op=MPI.SUM), warmup, repeat)
     P = comm.size
-    return t, 2 * send.nbytes * (P - 1) // P, 1.0 if P > 1 else 0.0
+    return t, 2 * send.nbytes * (P - 1) // P, 1.0 if P > 1 else 0.0, link
 
 
 SHORT = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
@@ -226,7 +246,7 @@ def main(argv=None):
                 profile[density] = _profile_spardl(comm, a, g, opts)
     load.append(os.getloadavg()[0])
     rows = []
-    for (alg, density), (t, b, m) in results.items():
+    for (alg, density), (t, b, m, link) in results.items():
         rows.append(
             {
                 "algorithm": alg,
@@ -234,6 +254,7 @@ def main(argv=None):
                 "time_s": t,
                 "bytes_sent": b,
                 "messages": m,
+                "link_tx_bytes": link,
                 "time_ratio": t / raw[0],
                 "time_ratio_fp16": t / raw16[0],
                 "bytes_ratio": b / raw[1] if raw[1] else float("nan"),

@@ -125,7 +125,7 @@ def plot(reports: list[dict], path: Path) -> None:
                 (r for r in rows if r["algorithm"] == alg and r.get("density") is not None),
                 key=lambda r: r["density"],
             )
-            if len(rs) > 1:
+            if rs:
                 ax.plot(
                     [r["density"] for r in rs], [r["time_s"] for r in rs], marker="o", label=alg
                 )
