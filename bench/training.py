@@ -103,9 +103,8 @@ def _lm_table(rows, dense_by_seed: dict, where: str, density: float) -> list[str
     """The Markdown table of an lm run: final validation bits/char, bytes, time to dense + 3%."""
     m0 = rows[0][2]
     lines = [
-        f"{where}; --task lm, density {density}, {m0['steps']} steps, batch "
-        f"{m0['batch_size']}×{m0['context']} characters/rank, lr {m0['lr']}, "
-        f"{m0['n_params']} parameters",
+        f"{where}; lm, density {density}, {m0['steps']} steps, batch "
+        f"{m0['batch_size']}×{m0['context']} chars/rank, lr {m0['lr']}, {m0['n_params']} params",
         "",
         "| run | seed | val bits/char | Δ vs dense (%) | val acc | MB sent/rank "
         "| % of dense bytes | train s | time to dense + 3% (s) | × dense's time | job s |",
