@@ -20,6 +20,14 @@ spardl counts a dense allreduce: one message, 2·m·(P−1)/P bytes each way for
 prints one table: time, bytes and messages per rank per call, and the time as a ratio to both
 raw rows, bytes and messages as a ratio to the raw row of the gradient's dtype.
 
+The ratio to the raw Allreduce of the gradient's dtype is *paired*: every timed call of every
+later row is preceded by one timed raw Allreduce of the same buffer (after its own barrier), and
+the row reports the median over the repeats of call time / that raw time. On a shared machine
+the load moves by tens of percent within a run; the pair sees the same load, a ratio of two
+medians taken a minute apart does not (the JSON keeps that one too, ``time_ratio_unpaired``).
+The ratio to raw fp16 is median / median (pairing with a call 7× slower would cost the run too
+much time).
+
 Across emulated nodes (``spardl cluster run ... -- python bench/allreduce.py``, or
 bench/cluster.py), each row also gets ``link_tx_bytes``: what each node's link sent per timed
 call (Ethernet frames, from the node's interface counters, mean over nodes).
@@ -103,46 +111,63 @@ def _link_tx(comm):
     return None if here == 0 else (comm.allreduce(0 if c is None else c["tx_bytes"]), here)
 
 
-def _median_time(comm, call, warmup, repeat):
+def _timed(comm, call):
+    """The slowest rank's time of one ``call()`` started after a barrier."""
+    comm.Barrier()
+    t0 = MPI.Wtime()
+    call()
+    return comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
+
+
+def _median_time(comm, call, warmup, repeat, peer=None):
     """Median over ``repeat`` timed calls (each after a barrier) of the slowest rank's time,
-    and the bytes each node's link sent per call (mean over nodes; None outside a cluster)."""
+    the bytes each node's link sent per call (mean over nodes; None outside a cluster), and,
+    with ``peer`` (a ``(call, link bytes per call)`` pair), the median over the repeats of
+    time / the peer's time, the peer timed right before each call (a paired ratio: both see
+    the same load on a shared machine); else None."""
     for _ in range(warmup):
         call()
     before = _link_tx(comm)
-    times = []
+    times, ratios = [], []
     for _ in range(repeat):
-        comm.Barrier()
-        t0 = MPI.Wtime()
-        call()
-        t = MPI.Wtime() - t0
-        times.append(comm.allreduce(t, op=MPI.MAX))
+        tp = None if peer is None else _timed(comm, peer[0])
+        times.append(_timed(comm, call))
+        if tp is not None:
+            ratios.append(times[-1] / tp)
     after = _link_tx(comm)
-    link = None if before is None else (after[0] - before[0]) / after[1] / repeat
-    return float(np.median(times)), link
+    link = None
+    if before is not None:
+        link = (after[0] - before[0]) / after[1] / repeat
+        if peer is not None and peer[1] is not None:
+            link -= peer[1]  # the peer's calls crossed the links too
+    return float(np.median(times)), link, float(np.median(ratios)) if ratios else None
 
 
-def measure(comm, make, g, warmup, repeat):
-    """Median over ``repeat`` of the slowest rank's time of one call, and per-call counters."""
+def measure(comm, make, g, warmup, repeat, peer=None):
+    """Median over ``repeat`` of the slowest rank's time of one call, per-call counters, link
+    bytes and the paired ratio to ``peer`` (see :func:`_median_time`)."""
     ar = make()
     for _ in range(warmup):
         ar(g)
     s0 = {k: ar.stats[k] for k in ("messages", "bytes_sent")}
-    t, link = _median_time(comm, lambda ar=ar: ar(g), 0, repeat)
+    t, link, paired = _median_time(comm, lambda ar=ar: ar(g), 0, repeat, peer)
     per = {k: (ar.stats[k] - s0[k]) / repeat for k in s0}
     mean = {k: comm.allreduce(v, op=MPI.SUM) / comm.size for k, v in per.items()}
     del ar
     gc.collect()
-    return t, mean["bytes_sent"], mean["messages"], link
+    return t, mean["bytes_sent"], mean["messages"], link, paired
 
 
-def measure_raw(comm, send, warmup, repeat):
+def measure_raw(comm, send, warmup, repeat, peer=None):
     """MPI's own ``Allreduce(send, recv, MPI.SUM)`` into a preallocated ``recv``, timed as
     :func:`measure` times an allreducer; bytes and messages as spardl counts a dense allreduce
     (one message, 2·m·(P−1)/P bytes for m bytes; nothing at P = 1)."""
     recv = np.empty_like(send)
-    t, link = _median_time(comm, lambda: comm.Allreduce(send, recv, op=MPI.SUM), warmup, repeat)
+    t, link, paired = _median_time(
+        comm, lambda: comm.Allreduce(send, recv, op=MPI.SUM), warmup, repeat, peer
+    )
     P = comm.size
-    return t, 2 * send.nbytes * (P - 1) // P, 1.0 if P > 1 else 0.0, link
+    return t, 2 * send.nbytes * (P - 1) // P, 1.0 if P > 1 else 0.0, link, paired
 
 
 SHORT = {"float16": "fp16", "float32": "fp32", "float64": "fp64"}
@@ -208,10 +233,13 @@ def main(argv=None):
     # The peers every ratio is quoted against: MPI's own Allreduce of the same gradient buffer
     # (its dtype) and of a float16 copy of it (cast here, outside the timed calls).
     raw = measure_raw(comm, g, a.warmup, a.repeat)
-    results[(f"raw Allreduce {SHORT[a.dtype]}", None)] = raw
+    results[(f"raw Allreduce {SHORT[a.dtype]}", None)] = (*raw[:4], 1.0)
+    # Every later row times this same call right before each of its own (the paired ratio).
+    peer_out = np.empty_like(g)
+    peer = (lambda: comm.Allreduce(g, peer_out, op=MPI.SUM), raw[3])
     raw16 = raw
     if a.dtype != "float16":
-        raw16 = measure_raw(comm, g.astype(np.float16), a.warmup, a.repeat)
+        raw16 = measure_raw(comm, g.astype(np.float16), a.warmup, a.repeat, peer)
         results[("raw Allreduce fp16", None)] = raw16
     dense = None  # density-independent: measured once, listed once per density
     for density in a.density:
@@ -219,7 +247,7 @@ def main(argv=None):
             if alg == "dense":
                 if dense is None:
                     dense = measure(
-                        comm, lambda: spardl.make("dense", comm, a.n), g, a.warmup, a.repeat
+                        comm, lambda: spardl.make("dense", comm, a.n), g, a.warmup, a.repeat, peer
                     )
                 results[(alg, density)] = dense
                 continue
@@ -232,6 +260,7 @@ def main(argv=None):
                 g,
                 a.warmup,
                 a.repeat,
+                peer,
             )
             if a.check_cost and alg == "spardl":
                 unchecked = {**opts, "check": False}
@@ -241,12 +270,13 @@ def main(argv=None):
                     g,
                     a.warmup,
                     a.repeat,
+                    peer,
                 )
             if a.profile and alg == "spardl":
                 profile[density] = _profile_spardl(comm, a, g, opts)
     load.append(os.getloadavg()[0])
     rows = []
-    for (alg, density), (t, b, m, link) in results.items():
+    for (alg, density), (t, b, m, link, paired) in results.items():
         rows.append(
             {
                 "algorithm": alg,
@@ -255,7 +285,8 @@ def main(argv=None):
                 "bytes_sent": b,
                 "messages": m,
                 "link_tx_bytes": link,
-                "time_ratio": t / raw[0],
+                "time_ratio": paired,
+                "time_ratio_unpaired": t / raw[0],
                 "time_ratio_fp16": t / raw16[0],
                 "bytes_ratio": b / raw[1] if raw[1] else float("nan"),
                 "messages_ratio": m / raw[2] if raw[2] else float("nan"),
@@ -270,8 +301,9 @@ def main(argv=None):
         )
         print(
             f"# ratios: time / raw Allreduce {SHORT[a.dtype]} (MPI_Allreduce of the gradient "
-            "buffer) and / raw Allreduce fp16 (of a float16 copy); bytes and messages / raw "
-            f"Allreduce {SHORT[a.dtype]}"
+            "buffer: the median of per-call ratios, each call paired with a raw call timed "
+            "right before it) and / raw Allreduce fp16 (of a float16 copy: median / median); "
+            f"bytes and messages / raw Allreduce {SHORT[a.dtype]}"
         )
         print(_fmt_table(rows, a.dtype))
         for density, ph in profile.items():
