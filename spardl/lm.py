@@ -33,6 +33,7 @@ __all__ = [
     "evaluate",
     "load_split",
     "lr_at",
+    "setup",
     "shard_of",
     "train",
     "train_batch",
@@ -106,10 +107,24 @@ def shard_of(ids: np.ndarray, rank: int, P: int) -> np.ndarray:
 
 
 def train_batch(shard: np.ndarray, batch_size: int, context: int, seed: int, rank: int, step: int):
-    """The training windows of one step: inputs and next-character targets, (B, T) int64 tensors.
+    """The training windows of one step: inputs and next-character targets.
 
     The window starts are drawn uniformly from the shard by a generator seeded with
     (seed, rank, step), so the batch of a step does not depend on what ran before it.
+
+    Parameters
+    ----------
+    shard : ndarray
+        This rank's encoded training text (:func:`shard_of`), longer than ``context``.
+    batch_size, context : int
+        B windows of T characters.
+    seed, rank, step : int
+        Seed the draw.
+
+    Returns
+    -------
+    x, y : torch.Tensor
+        (B, T) int64; ``y`` is ``x`` shifted by one character.
     """
     import torch
 
@@ -148,7 +163,22 @@ def bits_per_char(logits, targets) -> float:
 
 
 def evaluate(model, x, y, batch: int = 16) -> tuple[float, float]:
-    """Validation bits per character and next-character accuracy of ``model`` on (x, y)."""
+    """Validation bits per character and next-character accuracy of ``model`` on (x, y).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Maps (B, T) character indices to (B, T, V) logits; left in training mode.
+    x, y : torch.Tensor
+        (n, T) int64 inputs and targets (:func:`validation_windows`).
+    batch : int
+        Windows per forward pass.
+
+    Returns
+    -------
+    bits_per_char, accuracy : float
+        Over all n·T predictions.
+    """
     import torch
     import torch.nn.functional as F
 
@@ -255,6 +285,13 @@ def lr_at(lr: float, t: int, total: int, warmup: int) -> float:
 def setup(args, rank: int, P: int):
     """The task's data and model for this rank (model initialised from ``torch``'s RNG state).
 
+    Parameters
+    ----------
+    args : argparse.Namespace
+        ``spardl train``'s options (``seed``, ``context``, ``width``, ``layers``, ``heads``).
+    rank, P : int
+        This rank and the number of ranks.
+
     Returns
     -------
     data : dict
@@ -281,10 +318,29 @@ def setup(args, rank: int, P: int):
 
 
 def train(tr, data: dict, resumed: dict | None) -> tuple[list[dict], dict]:
-    """The lm training loop, collective; ``tr`` is :class:`spardl.train`'s shared state.
+    """The lm training loop; collective over the job's ranks.
 
-    Evaluates (rank 0) and checkpoints after every ``--eval-every`` steps and after the last.
-    Returns the history and the task's entries of metrics.json.
+    Evaluates (on rank 0) and checkpoints after every ``--eval-every`` steps and after the
+    last. The learning rate, the batches and hence the whole run are functions of the step, so
+    a run resumed from a checkpoint continues bit for bit.
+
+    Parameters
+    ----------
+    tr : spardl.train._Trainer
+        The state the tasks share: options, model, optimizer, allreducer, checkpoints.
+    data : dict
+        This rank's data, from :func:`setup`.
+    resumed : dict or None
+        The checkpoint resumed from (its ``step`` and ``history``), if any.
+
+    Returns
+    -------
+    history : list of dict
+        One entry per evaluation: ``step``, ``seconds`` (training seconds so far, evaluation
+        excluded), ``train_bits_per_char`` (mean over the ranks since the last evaluation),
+        ``val_bits_per_char`` and ``val_accuracy`` (None off rank 0), ``bytes_sent_per_rank``.
+    metrics : dict
+        The task's entries of metrics.json, ``final_val_bits_per_char`` among them.
     """
     args, job, rank, P = tr.args, tr.job, tr.rank, tr.P
     history = resumed["history"] if resumed else []
