@@ -198,6 +198,13 @@ class Allreducer:
     def _reduce(self, x: np.ndarray) -> Reduced:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _density_changed(self) -> None:
+        """Recompute what depends on the density after :meth:`set_density` changed it.
+
+        ``self.density`` and ``self.k`` already hold the new values; the residual, counters and
+        selector state are kept (a selector resets a key's threshold itself when k changes).
+        """
+
     def _extra_state(self) -> dict:
         """The algorithm's own state (thresholds, budgets, region boundaries, selectors).
 
@@ -209,6 +216,54 @@ class Allreducer:
 
     def _load_extra_state(self, state: dict) -> None:
         pass
+
+    # -- density changes --------------------------------------------------------------------
+    def set_density(self, density) -> None:
+        """Change ρ (and so k) from the next call on, without rebuilding the allreducer.
+
+        Collective: every rank calls it with the same value between the same two calls (a
+        density schedule, e.g. the exponential warm-up of arXiv 1712.01887 §3.3). The residual
+        is kept, so the conservation invariant (docs/design.md §4) holds across the change:
+        what was not sent before it is still in some rank's residual after it. What the
+        algorithm derives from ρ (SparDL's block budgets k_b and h, Ok-Topk's reused global
+        threshold, the selectors' thresholds) is recomputed by :meth:`_density_changed`.
+
+        Parameters
+        ----------
+        density : float
+            The new ρ, in (0, 1].
+
+        Raises
+        ------
+        ValueError, TypeError
+            On every rank, if any rank's ``density`` is invalid or the ranks disagree (value,
+            or the number of calls made so far); the state is then unchanged.
+        """
+        err = None
+        try:
+            if isinstance(density, bool) or not isinstance(density, (int, float, np.floating)):
+                raise TypeError(f"density must be a float, got {type(density).__name__}")
+            if not (0 < density <= 1) or math.isnan(density):
+                raise ValueError(f"density must be in (0, 1], got {density}")
+        except (TypeError, ValueError) as e:
+            err = e
+        ok_float = err is None
+        self.collective_check(
+            err,
+            [
+                name_hash(f"{self.name}|set_density"),
+                _float_bits(density) if ok_float else -1,
+                self._calls,
+            ],
+            {"set_density": repr(density), "call number": self._calls},
+        )
+        self._apply_density(float(density))
+
+    def _apply_density(self, density: float) -> None:
+        """Set ρ and k and recompute the algorithm's derived values; local (no messages)."""
+        self.density = density
+        self.k = budget(density, self.n)
+        self._density_changed()
 
     # -- validation -------------------------------------------------------------------------
     def _validate_common(self, n, density, op, residual, nonfinite, check):
@@ -484,6 +539,12 @@ class Allreducer:
         if res is not None and (res.shape != (self.n,)):
             raise ValueError(f"state residual has shape {res.shape}, expected ({self.n},)")
         self._residual = None if res is None else np.array(A.to_host(res), copy=True)
+        density = float(state.get("density", self.density))
+        if density != self.density:  # saved after set_density: ρ, k and what derives from them
+            self._validate_common(
+                self.n, density, self.op, self.residual_mode, self.nonfinite, self.check
+            )
+            self._apply_density(density)
         self._load_extra_state(state.get("extra", {}))
 
     def __repr__(self) -> str:

@@ -116,6 +116,12 @@ class OkTopk(Allreducer):
         self.bounds = None  # region boundaries: int64 array of shape (P+1,)
         self.global_threshold = math.nan
 
+    def _density_changed(self) -> None:
+        # The reused global threshold estimated the k-th largest reduced magnitude of the old
+        # k: the next step computes it afresh. The regions (balanced by selected counts) stay
+        # until their next repartition; the selector restarts its threshold when k changes.
+        self.global_threshold = math.nan
+
     # -- Algorithm 1 ------------------------------------------------------------------------
     def _reduce(self, x: np.ndarray) -> Reduced:
         dev = A.is_device(x)

@@ -144,10 +144,18 @@ class SparDL(Allreducer):
         self.bounds = K.uniform_bounds(self.n, self.m)
         lengths = np.diff(self.bounds)
         self.C = -(-self.n // self.m)
-        kb = budget(self.density, self.C)  # max(1, ⌊ρ·C⌋), at most C
-        self.k_b = [int(min(length, kb)) for length in lengths]
         self._starts = [int(b) for b in self.bounds[:-1]]
         self._idt = wire_index_dtype(int(lengths.max()))
+        self._budgets()
+        self._srs = srs_schedule(self.m, self.p)
+        self._team_ag = bruck_schedule(self.m, self.p)
+        self._cross_ag = bruck_schedule(self.d, self.team_id)
+
+    def _budgets(self) -> None:
+        """What depends on ρ: the block budgets k_b, the pre-SAG budget h and its floor."""
+        lengths = np.diff(self.bounds)
+        kb = budget(self.density, self.C)  # max(1, ⌊ρ·C⌋), at most C
+        self.k_b = [int(min(length, kb)) for length in lengths]
         kb_own = self.k_b[self.p]
         h0 = max(1, math.floor(self.density * self.C / self.d * (1 + 1e-9)))
         self.h_min = min(kb_own, max(1, kb_own // self.d))
@@ -156,9 +164,11 @@ class SparDL(Allreducer):
             # (the union cannot exceed k_b) and density 1 stays the exact mean for every d.
             self.h_min = kb_own
         self.h = max(self.h_min, min(kb_own, h0))
-        self._srs = srs_schedule(self.m, self.p)
-        self._team_ag = bruck_schedule(self.m, self.p)
-        self._cross_ag = bruck_schedule(self.d, self.team_id)
+
+    def _density_changed(self) -> None:
+        # New k_b and h (h restarts from its initial value ρ·C/d for the new ρ); the selector
+        # restarts a block's threshold itself when that block's k changes.
+        self._budgets()
 
     # -- pieces -----------------------------------------------------------------------------
     def _select(self, S, b, k):
