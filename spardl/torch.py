@@ -131,10 +131,116 @@ def _check_warmup(warmup_steps) -> int:
     return int(warmup_steps)
 
 
+class _Techniques:
+    """The convergence techniques of Deep Gradient Compression (arXiv 1712.01887 §3.2-3.3),
+    validated: momentum correction, momentum factor masking, local gradient clipping and the
+    exponential density warm-up. See :class:`SparseGradientReducer` for their definitions."""
+
+    def __init__(
+        self,
+        momentum_correction=None,
+        factor_masking=True,
+        clip_norm=None,
+        density_warmup=0,
+        warmup_density=0.25,
+        *,
+        density=None,
+        residual="global",
+    ):
+        m = momentum_correction
+        if m is not None:
+            if isinstance(m, bool) or not isinstance(m, (int, float, np.floating)):
+                raise TypeError(
+                    f"momentum_correction must be a float or None, got {type(m).__name__}"
+                )
+            if not 0 <= m < 1:
+                raise ValueError(f"momentum_correction must be in [0, 1), got {m}")
+            if residual == "none":
+                raise ValueError(
+                    "momentum_correction needs error feedback (residual='global' or 'local'): "
+                    "the residual holds the accumulated velocity's unsent part"
+                )
+            m = float(m)
+        if not isinstance(factor_masking, bool):
+            raise TypeError(f"factor_masking must be a bool, got {type(factor_masking).__name__}")
+        c = clip_norm
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, (int, float, np.floating)):
+                raise TypeError(f"clip_norm must be a float or None, got {type(c).__name__}")
+            if not (c > 0 and np.isfinite(c)):
+                raise ValueError(f"clip_norm must be a finite number > 0, got {c}")
+            c = float(c)
+        w = density_warmup
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
+            raise TypeError(f"density_warmup must be an integer, got {type(w).__name__}")
+        if w < 0:
+            raise ValueError(f"density_warmup must be >= 0, got {w}")
+        r0 = warmup_density
+        if isinstance(r0, bool) or not isinstance(r0, (int, float, np.floating)):
+            raise TypeError(f"warmup_density must be a float, got {type(r0).__name__}")
+        if not 0 < r0 <= 1:
+            raise ValueError(f"warmup_density must be in (0, 1], got {r0}")
+        if (
+            w > 0
+            and isinstance(density, (int, float, np.floating))
+            and not isinstance(density, bool)
+            and 0 < density <= 1
+            and r0 < density
+        ):
+            raise ValueError(
+                f"warmup_density ({r0}) must be >= density ({density}): the warm-up starts "
+                "denser and falls to the target density"
+            )
+        self.momentum = m
+        self.factor_masking = factor_masking
+        self.clip_norm = c
+        self.density_warmup = int(w)
+        self.warmup_density = float(r0)
+
+    def as_dict(self) -> dict:
+        return {
+            "momentum_correction": self.momentum,
+            "factor_masking": self.factor_masking,
+            "clip_norm": self.clip_norm,
+            "density_warmup": self.density_warmup,
+            "warmup_density": self.warmup_density,
+        }
+
+
+def warmup_density_at(step: int, warmup: int, start: float, target: float) -> float:
+    """The density of sparse step ``step`` (0-based) of an exponential density warm-up.
+
+    ρ_s = start · (target/start)^(s/W) for s < W = ``warmup``, and ``target`` from step W on: the
+    density falls by the same factor every step, from ``start`` to ``target``. Deep Gradient
+    Compression (Lin et al., arXiv 1712.01887, §3.3 "Warm-up Training") lowers the density
+    exponentially over the first epochs (75%, 93.75%, 98.4375%, 99.6%, 99.9% sparsity, i.e.
+    25%, 6.25%, ... density, a factor 4 per epoch); here the factor is spread over the steps.
+
+    Parameters
+    ----------
+    step : int
+        Sparse steps completed before this one (dense warm-up steps not counted).
+    warmup : int
+        W, the number of warm-up steps (0: always ``target``).
+    start, target : float
+        The densities at step 0 and from step W on, in (0, 1].
+
+    Returns
+    -------
+    float
+    """
+    if step >= warmup:
+        return float(target)
+    return float(start * (target / start) ** (step / warmup))
+
+
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU NumPy view of a 1-D tensor (a copy only for GPU tensors)."""
     return t.detach().cpu().numpy() if t.is_cuda else t.detach().numpy()
 
+
+#: The allreducers' default density (spardl.Allreducer's ``density``).
+_DEFAULT_DENSITY = 0.01
 
 #: The options every allreducer accepts (spardl.Allreducer's keywords).
 _COMMON_OPTIONS = ("density", "op", "residual", "nonfinite", "check")
@@ -229,9 +335,13 @@ class _Core:
     (option checks, which parameters some rank used), kept out of the counters.
     """
 
-    def __init__(self, comm, algorithm, warmup_steps: int, options: dict):
+    def __init__(self, comm, algorithm, warmup_steps: int, options: dict, tech=None):
         self.comm = Comm(comm)
         self.ctl = Comm(comm)
+        self.tech = tech if tech is not None else _Techniques()
+        self.velocity = None  # momentum correction: this rank's u, laid out like flat
+        self.pending_velocity = None  # loaded velocities by key, used at the next step
+        self.target_density = None
         self.algorithm = algorithm
         self.warmup_steps = warmup_steps
         self.options = dict(options)
@@ -266,6 +376,7 @@ class _Core:
             _announce_compile(self.comm.rank)
             opts = {"op": "mean", **self.options}
             self.sparse = make(self.algorithm, self.comm, self.n, **opts)
+            self.target_density = self.sparse.density
             self.created += 1
             if self.pending is not None:
                 self._apply(self.pending)
@@ -274,9 +385,41 @@ class _Core:
 
     def run(self, unused) -> object:
         """Reduce ``self.flat`` in place; the slices ``unused`` (no rank used those parameters,
-        their result is discarded) keep their residual as it was."""
+        their result is discarded) keep their residual (and velocity) as they were.
+
+        With the techniques of :class:`_Techniques`, in this order: the density of this step
+        (warm-up schedule), local clipping of the gradient, the velocity u ← m·u + g (which
+        becomes the allreducer's input), the allreduce, and factor masking of u."""
         dense = self.step < self.warmup_steps
         ar = self.allreducer(dense)
+        tech = self.tech
+        if not dense and tech.density_warmup:
+            rho = warmup_density_at(
+                self.step - self.warmup_steps,
+                tech.density_warmup,
+                tech.warmup_density,
+                self.target_density,
+            )
+            if rho != ar.density:
+                ar.set_density(rho)
+        if tech.clip_norm is not None:
+            self._clip()
+        x_in = None
+        if tech.momentum is not None:
+            u = self._velocity()
+            kept = [(a, b, u[a:b].clone()) for a, b in unused]
+            u.mul_(tech.momentum).add_(self.flat)  # as torch.optim.SGD's momentum buffer
+            for a, b, v in kept:
+                u[a:b] = v
+            self.flat.copy_(u)
+            for a, b, _ in kept:
+                self.flat[a:b].zero_()
+            if tech.factor_masking and not dense:
+                # X = u + E_old, in the allreducer's work dtype and the same float operations.
+                buf = _as_numpy(self.flat)
+                work = np.float32 if buf.dtype == np.float16 else buf.dtype
+                x_in = buf.astype(work)
+                x_in += A.to_host(ar.residual).astype(work, copy=False)
         keep = []
         if not dense and unused and ar.residual_mode != "none":
             res = ar.residual
@@ -288,8 +431,52 @@ class _Core:
             for a, b, v in keep:
                 res[a:b] = v
         out.to_dense(out=buf)  # the flat buffer lives on the host (GPU residency: not yet)
+        if x_in is not None:
+            # Factor masking: u is zeroed where this rank's accumulation left its residual.
+            sent = (A.to_host(ar.residual) == 0) & (x_in != 0)
+            _as_numpy(self.velocity)[sent] = 0
         self.step += 1
         return out
+
+    def _clip(self) -> None:
+        """Local gradient clipping (arXiv 1712.01887 §3.3): this rank's whole gradient is scaled
+        to the L2 norm clip_norm·P^(-1/2) when its norm (float64) is larger."""
+        buf = _as_numpy(self.flat)
+        norm = float(np.sqrt(np.sum(np.square(buf, dtype=np.float64))))
+        limit = self.tech.clip_norm / np.sqrt(self.comm.size)
+        if norm > limit:
+            buf *= buf.dtype.type(limit / norm)
+
+    def _velocity(self) -> torch.Tensor:
+        """This rank's velocity u (created at zero, or from a loaded state by parameter key)."""
+        if self.velocity is None:
+            self.velocity = torch.zeros_like(self.flat)
+            saved, self.pending_velocity = self.pending_velocity, None
+            if saved:
+                lost = sorted(set(saved) - set(self.keys))
+                if lost:
+                    raise ValueError(
+                        f"the state holds velocities of parameters {lost} that are not reduced here"
+                    )
+                o = self.offsets
+                for i, k in enumerate(self.keys):
+                    if k in saved:
+                        v = np.asarray(saved[k])
+                        if v.shape != (self.numels[i],):
+                            raise ValueError(
+                                f"the state's velocity of parameter {k!r} has shape {v.shape}, "
+                                f"the parameter has {self.numels[i]} elements"
+                            )
+                        self.velocity[o[i] : o[i + 1]] = torch.from_numpy(v.copy()).to(
+                            self.flat.dtype
+                        )
+        return self.velocity
+
+    def velocities(self) -> dict:
+        if self.velocity is None or self.keys is None:
+            return {}
+        u, o = self.velocity.numpy(), self.offsets
+        return {k: np.array(u[o[i] : o[i + 1]]) for i, k in enumerate(self.keys)}
 
     def residuals(self) -> dict:
         ar = self.sparse
@@ -310,6 +497,10 @@ class _Core:
                 "numels": self.numels,
                 "allreducer": None if self.sparse is None else self.sparse.state_dict(),
                 "stats": copy.deepcopy(self.stats),
+                "techniques": self.tech.as_dict(),
+                "velocity": self.velocities()
+                if self.velocity is not None
+                else self.pending_velocity,
             }
         )
 
@@ -331,7 +522,15 @@ class _Core:
                 f"state was saved with world_size={saved.get('world_size')!r}, "
                 f"this one has {self.comm.size}"
             )
+        velocity = state.get("velocity")
+        if velocity and self.tech.momentum is None:
+            raise ValueError(
+                "the state holds momentum-correction velocities, but momentum_correction is "
+                "None here"
+            )
         self.step = int(state["step"])
+        self.velocity = None
+        self.pending_velocity = dict(velocity) if velocity else None
         self.stats.clear()
         self.stats.update(state.get("stats") or {})
         if self.sparse is not None:
@@ -403,6 +602,10 @@ class SparseHookState:
         The model (or its DDP wrapper). Recommended: parameters are then named in checkpoints
         and errors (a checkpoint loads by name, whatever the layout), and the parameters a rank
         used are known from the first iteration on (``find_unused_parameters=True``).
+    momentum_correction, factor_masking, clip_norm, density_warmup, warmup_density
+        Deep Gradient Compression's techniques, as in :class:`SparseGradientReducer`; they run on
+        the model's whole gradient (every bucket of the iteration), with the velocity kept by
+        parameter and checkpointed in :meth:`state_dict`.
     **allreducer_options
         Passed to :func:`spardl.make` (``density``, ``teams``, ``residual``, ...). ``op`` is
         always "mean", as DDP expects averaged gradients.
@@ -436,16 +639,30 @@ class SparseHookState:
         warmup_steps: int = 2,
         *,
         model=None,
+        momentum_correction=None,
+        factor_masking: bool = True,
+        clip_norm=None,
+        density_warmup: int = 0,
+        warmup_density: float = 0.25,
         **allreducer_options,
     ):
-        err = None
+        err, tech = None, None
         try:
             warmup_steps = _check_warmup(warmup_steps)
             if model is not None and not isinstance(model, torch.nn.Module):
                 raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+            tech = _Techniques(
+                momentum_correction,
+                factor_masking,
+                clip_norm,
+                density_warmup,
+                warmup_density,
+                density=allreducer_options.get("density", _DEFAULT_DENSITY),
+                residual=allreducer_options.get("residual", "global"),
+            )
         except (TypeError, ValueError) as e:
             err = e
-        self._core = _Core(comm, algorithm, 0, allreducer_options)
+        self._core = _Core(comm, algorithm, 0, allreducer_options, tech)
         _validate_options(self._core.ctl, algorithm, allreducer_options, err, hook=True)
         self._core.warmup_steps = warmup_steps
         self.algorithm = algorithm
@@ -495,6 +712,17 @@ class SparseHookState:
     @property
     def stats(self) -> dict:
         return self._core.stats
+
+    def velocities(self) -> dict:
+        """Each parameter's momentum-correction velocity u (this rank's), keyed like the
+        checkpoint: name or position.
+
+        Returns
+        -------
+        dict of str -> ndarray
+            Empty without ``momentum_correction`` or before the first step.
+        """
+        return self._core.velocities()
 
     def residuals(self) -> dict:
         """Each parameter's residual (this rank's), keyed like the checkpoint: name or position.
@@ -688,6 +916,39 @@ class SparseGradientReducer:
         A key of :data:`spardl.ALGORITHMS`.
     warmup_steps : int, default 0
         Dense allreduce for the first ``warmup_steps`` calls.
+    momentum_correction : float, optional
+        Momentum correction (Lin et al., Deep Gradient Compression, arXiv 1712.01887, §3.2):
+        the momentum coefficient m. Each rank keeps a velocity u ← m·u + g (``torch.optim.SGD``'s
+        momentum buffer, in the gradient's dtype) and the allreducer reduces u instead of g; its
+        residual E plays the role of DGC's accumulated velocity v's unsent part
+        (X = u + E_old is what is sparsified). The optimizer must then run WITHOUT momentum on
+        the reduced result (``SGD(params, lr, momentum=0)``; weight decay, if any, is then applied
+        after the reduction). Needs ``residual`` "global" or "local". Default None: off.
+    factor_masking : bool, default True
+        Momentum factor masking (arXiv 1712.01887 §3.2), with ``momentum_correction``: after a
+        sparse step, u_i ← 0 on every coordinate i where this rank's accumulation left its
+        residual, defined as E_new,i = 0 and X_i ≠ 0 (X = u + E_old, in the allreducer's work
+        dtype). For every algorithm this is where this rank's value was sent and not put back
+        by error feedback (with ``residual="global"``, dropped downstream mass stays in some
+        rank's residual and so is not counted as sent by the rank holding it). Dense warm-up steps
+        (``warmup_steps``) send everything and do not mask: they are dense SGD with momentum.
+        At density 1 masking zeroes u after every step (DGC's algorithm then is SGD without
+        momentum); ``factor_masking=False`` at density 1 is SGD with momentum.
+    clip_norm : float, optional
+        Local gradient clipping (arXiv 1712.01887 §3.3), before the accumulation into u (or
+        into the residual): this rank's whole gradient g (every reduced parameter, one vector)
+        is scaled by (clip_norm·P^(-1/2))/‖g‖₂ when ‖g‖₂ (computed in float64) is larger: the P
+        ranks' shares of a global threshold clip_norm, were their gradients identically
+        distributed (the paper's N^(-1/2) scaling). Applied on every step, dense warm-up
+        included. Default None.
+    density_warmup : int, default 0
+        Exponential density warm-up (arXiv 1712.01887 §3.3) over this many sparse steps (after
+        the dense ``warmup_steps``): ρ_s = warmup_density·(density/warmup_density)^(s/W), then
+        ``density``; applied by :meth:`spardl.Allreducer.set_density` (no rebuild, residuals
+        kept). 0: off.
+    warmup_density : float, default 0.25
+        The density of the warm-up's first sparse step (DGC starts at 25%), in (0, 1], at least
+        ``density``.
     **options
         Passed to :func:`spardl.make` (``density``, ``teams``, ``residual``, ``op``, ...).
 
@@ -698,8 +959,21 @@ class SparseGradientReducer:
         (different n, algorithm or options); the messages are those of :func:`spardl.make`.
     """
 
-    def __init__(self, params, comm, algorithm: str = "spardl", warmup_steps: int = 0, **options):
-        err = None
+    def __init__(
+        self,
+        params,
+        comm,
+        algorithm: str = "spardl",
+        warmup_steps: int = 0,
+        *,
+        momentum_correction=None,
+        factor_masking: bool = True,
+        clip_norm=None,
+        density_warmup: int = 0,
+        warmup_density: float = 0.25,
+        **options,
+    ):
+        err, tech = None, None
         named = []
         try:
             for i, item in enumerate(params):
@@ -712,13 +986,22 @@ class SparseGradientReducer:
             if bad:
                 raise TypeError(f"params must be floating point, got dtype(s) {bad}")
             self._warmup = _check_warmup(warmup_steps)
+            tech = _Techniques(
+                momentum_correction,
+                factor_masking,
+                clip_norm,
+                density_warmup,
+                warmup_density,
+                density=options.get("density", _DEFAULT_DENSITY),
+                residual=options.get("residual", "global"),
+            )
         except (TypeError, ValueError) as e:
-            err, named, self._warmup = e, [], 0
+            err, named, self._warmup, tech = e, [], 0, None
         self.params = [p for _, p in named]
         self.names = [k for k, _ in named]
         self.n = int(sum(p.numel() for p in self.params))
         self.algorithm = algorithm
-        self._core = _Core(comm, algorithm, self._warmup, options)
+        self._core = _Core(comm, algorithm, self._warmup, options, tech)
         _validate_options(self._core.ctl, algorithm, options, err)
         self._core.set_layout(
             self.names, [p.numel() for p in self.params], _flat_dtype(p.dtype for p in self.params)
@@ -801,6 +1084,17 @@ class SparseGradientReducer:
                     p.grad.copy_(g)
         self.last_result = out
         return out
+
+    def velocities(self) -> dict:
+        """Each parameter's momentum-correction velocity u (this rank's), keyed like the
+        checkpoint: name or position.
+
+        Returns
+        -------
+        dict of str -> ndarray
+            Empty without ``momentum_correction`` or before the first step.
+        """
+        return self._core.velocities()
 
     def residuals(self) -> dict:
         """Each parameter's residual (this rank's), keyed like the checkpoint: name or position.

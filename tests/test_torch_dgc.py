@@ -1,0 +1,186 @@
+"""Deep Gradient Compression's techniques in spardl.torch (arXiv 1712.01887 §3.2-3.3): momentum
+correction, momentum factor masking, local gradient clipping and the density warm-up.
+
+The NumPy references and option checks run in this process on one rank (MPI.COMM_SELF); the
+collective checks (density 1 against dense SGD with momentum, conservation, checkpoint/resume of
+the reducer and the DDP hook with every technique on) in one `mpiexec -n 2` job
+(tests/scripts/dgc_checks.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from mpirun import ROOT, run_mpi
+
+torch = pytest.importorskip("torch")
+MPI = pytest.importorskip("mpi4py.MPI")
+
+import spardl.torch as st  # noqa: E402
+
+SCRIPT = "tests/scripts/dgc_checks.py"
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dgc") / "checks.json"
+    run_mpi(2, [SCRIPT, str(out)], timeout=300, env={"PYTHONPATH": str(ROOT)})
+    return json.loads(out.read_text())
+
+
+def _reference(grads, k, m, clip, masking):
+    """DGC's algorithm on one rank (Algorithm 1 of arXiv 1712.01887 with §3.2-3.3), float32:
+    clip g, u ← m·u + g, v ← v + u, send the top-k of |v|, v and (masking) u zeroed there."""
+    n = len(grads[0])
+    u, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    outs = []
+    for g in grads:
+        g = g.copy()
+        if clip is not None:
+            norm = float(np.sqrt(np.sum(np.square(g, dtype=np.float64))))
+            if norm > clip:
+                g *= np.float32(clip / norm)
+        u = u * np.float32(m) + g
+        v = v + u
+        top = np.argsort(-np.abs(v), kind="stable")[:k]
+        out = np.zeros(n, np.float32)
+        out[top] = v[top]
+        v[top] = 0
+        if masking:
+            u[top] = 0
+        outs.append(out)
+    return outs, u, v
+
+
+def _grads(n, steps, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(n) * scale).astype(np.float32) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("masking", [True, False])
+@pytest.mark.parametrize("clip", [None, 3.0])
+def test_momentum_masking_and_clipping_match_numpy_reference(masking, clip):
+    n, k, m = 200, 10, 0.9
+    p = torch.nn.Parameter(torch.zeros(n))
+    red = st.SparseGradientReducer(
+        [("w", p)],
+        MPI.COMM_SELF,
+        "topka",
+        density=k / n,
+        momentum_correction=m,
+        factor_masking=masking,
+        clip_norm=clip,
+    )
+    grads = _grads(n, 6, scale=0.5)
+    outs, u, v = _reference(grads, k, m, clip, masking)
+    for g, want in zip(grads, outs, strict=True):
+        p.grad = torch.from_numpy(g.copy())
+        red.reduce()
+        np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(red.velocities()["w"], u, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(red.residuals()["w"], v, rtol=1e-6, atol=1e-7)
+    if masking:
+        np.testing.assert_array_equal(red.velocities()["w"] == 0, u == 0)
+
+
+def test_clipping_scales_the_threshold_by_one_over_root_p():
+    """The local threshold is clip_norm·P^(-1/2) (P = 1 here: clip_norm itself), the whole
+    gradient scaled as one vector; a smaller gradient is left as it is."""
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))
+    red = st.SparseGradientReducer([a, b], MPI.COMM_SELF, "topka", density=1.0, clip_norm=1.0)
+    a.grad, b.grad = torch.full((3,), 2.0), torch.full((4,), 2.0)
+    red.reduce()
+    total = float(torch.cat([a.grad, b.grad]).norm())
+    assert total == pytest.approx(1.0, rel=1e-6)
+    assert torch.allclose(a.grad, torch.full((3,), 2.0 / np.sqrt(28)))
+    a.grad, b.grad = torch.full((3,), 0.1), torch.full((4,), 0.1)
+    red.reduce()
+    assert torch.equal(a.grad, torch.full((3,), 0.1))
+
+
+def test_density_warmup_falls_exponentially_to_the_target():
+    p = torch.nn.Parameter(torch.zeros(1000))
+    red = st.SparseGradientReducer(
+        [p], MPI.COMM_SELF, "spardl", warmup_steps=1, density=0.01, density_warmup=4
+    )
+    seen = []
+    for _ in range(7):
+        p.grad = torch.randn(1000)
+        red.reduce()
+        seen.append(red.allreducer.density)
+    want = [0.01, 0.25, 0.25 * 0.04**0.25, 0.25 * 0.04**0.5, 0.25 * 0.04**0.75, 0.01, 0.01]
+    # Step 0 is the dense warm-up: the sparse allreducer keeps its constructed density.
+    np.testing.assert_allclose(seen, want, rtol=1e-12)
+    assert st.warmup_density_at(0, 4, 0.25, 0.01) == 0.25
+    assert st.warmup_density_at(4, 4, 0.25, 0.01) == 0.01
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"momentum_correction": 1.0}, ValueError, r"momentum_correction must be in \[0, 1\)"),
+        ({"momentum_correction": "0.9"}, TypeError, "momentum_correction must be a float"),
+        (
+            {"momentum_correction": 0.9, "residual": "none"},
+            ValueError,
+            "momentum_correction needs error feedback",
+        ),
+        ({"factor_masking": 1}, TypeError, "factor_masking must be a bool"),
+        ({"clip_norm": 0.0}, ValueError, "clip_norm must be a finite number > 0"),
+        ({"clip_norm": True}, TypeError, "clip_norm must be a float"),
+        ({"density_warmup": -1}, ValueError, "density_warmup must be >= 0"),
+        ({"density_warmup": 2.0}, TypeError, "density_warmup must be an integer"),
+        ({"warmup_density": 1.5}, ValueError, r"warmup_density must be in \(0, 1\]"),
+        (
+            {"density_warmup": 5, "density": 0.5},
+            ValueError,
+            r"warmup_density \(0.25\) must be >= density \(0.5\)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("kind", ["reducer", "hook"])
+def test_bad_technique_options_fail_at_construction(kind, options, error, message):
+    with pytest.raises(error, match=message):
+        if kind == "reducer":
+            st.SparseGradientReducer([torch.nn.Parameter(torch.zeros(8))], MPI.COMM_SELF, **options)
+        else:
+            st.SparseHookState(MPI.COMM_SELF, **options)
+
+
+def test_loading_velocities_without_momentum_correction_is_an_error():
+    p = torch.nn.Parameter(torch.zeros(50))
+    red = st.SparseGradientReducer([p], MPI.COMM_SELF, "topka", momentum_correction=0.5)
+    p.grad = torch.randn(50)
+    red.reduce()
+    plain = st.SparseGradientReducer([p], MPI.COMM_SELF, "topka")
+    with pytest.raises(ValueError, match="momentum_correction is None here"):
+        plain.load_state_dict(red.state_dict())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["reducer", "hook"])
+def test_density_one_momentum_correction_is_sgd_with_momentum(checks, kind):
+    r = checks[f"density_one_{kind}"]
+    assert r["moved"] > 1e-2
+    assert r["max_diff"] <= 1e-6
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["reducer", "hook"])
+@pytest.mark.parametrize("algorithm", ["spardl", "oktopk"])
+def test_resume_with_every_technique_is_bit_for_bit(checks, kind, algorithm):
+    r = checks[f"resume_{kind}"][algorithm]
+    assert r["bit_equal"], r["max_diff"]
+    assert r["velocity_equal"] and r["velocity_nonzero"]
+    assert r["velocity_keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert r["density"] == 0.05 and r["saved_density"] > 0.05  # saved mid warm-up
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["spardl", "oktopk", "topka"])
+def test_momentum_correction_conserves_and_masks_what_was_sent(checks, algorithm):
+    r = checks["conservation"][algorithm]
+    assert r["conservation_error"] <= 1e-6
+    assert r["mask_ok"] and r["masked"] > 0
