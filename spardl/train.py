@@ -90,13 +90,25 @@ _RANGED = {
     "width": POSITIVE_INT,
     "warmup_steps": NONNEGATIVE_INT,
     "stop_after": POSITIVE_INT,
+    "clip_norm": POSITIVE_FLOAT,
+    "density_warmup": NONNEGATIVE_INT,
+    "warmup_density": DENSITY,
     "steps": POSITIVE_INT,
     "eval_every": POSITIVE_INT,
     "layers": POSITIVE_INT,
     "heads": POSITIVE_INT,
     "context": POSITIVE_INT,
 }
-_OPTIONAL = ("warmup_steps", "stop_after")
+_OPTIONAL = ("warmup_steps", "stop_after", "clip_norm", "density_warmup", "warmup_density")
+#: Deep Gradient Compression's techniques (arXiv 1712.01887 §3.2-3.3): their defaults when a
+#: Namespace built without the parser lacks them.
+_DGC_DEFAULTS = {
+    "momentum_correction": False,
+    "no_factor_masking": False,
+    "clip_norm": None,
+    "density_warmup": 0,
+    "warmup_density": 0.25,
+}
 #: Options of one task only (None unless given), and the per-task defaults filled in by run().
 _TASK_ONLY = {"digits": ("epochs",), "lm": ("steps", "eval_every", "layers", "heads", "context")}
 _PER_TASK = ("epochs", "batch_size", "lr", "width", *_TASK_ONLY["lm"])
@@ -212,6 +224,41 @@ def add_arguments(p) -> None:
         "2 with the DDP hook)",
     )
     p.add_argument(
+        "--momentum-correction",
+        action="store_true",
+        help="Deep Gradient Compression's momentum correction (arXiv 1712.01887 §3.2): each rank "
+        "accumulates the velocity u = m·u + g with m = --momentum and the allreduce sparsifies "
+        "u plus the residual; the optimizer then runs without momentum (lm: AdamW's beta1 = 0)",
+    )
+    p.add_argument(
+        "--no-factor-masking",
+        action="store_true",
+        help="with --momentum-correction: keep u where this rank's accumulation was sent "
+        "(default: momentum factor masking zeroes it there)",
+    )
+    p.add_argument(
+        "--clip-norm",
+        type=_RANGED["clip_norm"],
+        default=None,
+        metavar="C",
+        help="local gradient clipping before accumulation: each rank's gradient to the L2 norm "
+        "C/sqrt(P) (arXiv 1712.01887 §3.3; default: off)",
+    )
+    p.add_argument(
+        "--density-warmup",
+        type=_RANGED["density_warmup"],
+        default=None,
+        metavar="STEPS",
+        help="density warm-up over the first STEPS sparse steps, falling exponentially from "
+        "--warmup-density to --density (arXiv 1712.01887 §3.3; default: 0, off)",
+    )
+    p.add_argument(
+        "--warmup-density",
+        type=_RANGED["warmup_density"],
+        default=None,
+        help="the density warm-up's first density, at least --density (default: 0.25)",
+    )
+    p.add_argument(
         "--hook",
         choices=("reducer", "ddp"),
         default=d["hook"],
@@ -298,6 +345,17 @@ def _check_args(args, P: int) -> None:
                 f"--stop-after must be a multiple of --eval-every={args.eval_every} (or "
                 f"--steps) in [1, --steps={args.steps}], got {stop}"
             )
+    for name, default in _DGC_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    if args.no_factor_masking and not args.momentum_correction:
+        raise UsageError("--no-factor-masking applies with --momentum-correction only")
+    if args.density_warmup and args.warmup_density < args.density:
+        raise UsageError(
+            f"--warmup-density must be >= --density={args.density}, got {args.warmup_density}"
+        )
+    if args.momentum_correction and args.residual == "none":
+        raise UsageError("--momentum-correction needs error feedback: not with --residual none")
     if args.algorithm != "spardl" and args.teams != 1:
         raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
     if args.algorithm == "spardl" and P % args.teams:
@@ -589,6 +647,16 @@ def run(args, world) -> dict | None:
     options = {"density": args.density, "residual": args.residual}
     if args.algorithm == "spardl":
         options["teams"] = args.teams
+    options.update(
+        momentum_correction=args.momentum if args.momentum_correction else None,
+        factor_masking=not args.no_factor_masking,
+        clip_norm=args.clip_norm,
+        density_warmup=args.density_warmup,
+        warmup_density=args.warmup_density,
+    )
+    # Momentum correction moves the momentum into the velocity the allreduce sparsifies: the
+    # optimizer then runs without it (arXiv 1712.01887 §3.2).
+    opt_momentum = 0.0 if args.momentum_correction else args.momentum
 
     hook_state = reducer = None
     if args.hook == "ddp":
@@ -611,10 +679,10 @@ def run(args, world) -> dict | None:
         net = model
     if args.task == "lm":
         opt = torch.optim.AdamW(
-            model.parameters(), lr=args.lr, betas=(args.momentum, 0.99), weight_decay=0.0
+            model.parameters(), lr=args.lr, betas=(opt_momentum, 0.99), weight_decay=0.0
         )
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=opt_momentum)
 
     resumed = None
     if args.resume is not None:
@@ -658,6 +726,12 @@ def run(args, world) -> dict | None:
         "batch_size": args.batch_size,
         "lr": args.lr,
         "momentum": args.momentum,
+        "momentum_correction": args.momentum_correction,
+        "factor_masking": args.momentum_correction and not args.no_factor_masking,
+        "clip_norm": args.clip_norm,
+        "density_warmup": args.density_warmup,
+        "warmup_density": args.warmup_density if args.density_warmup else None,
+        "optimizer_momentum": opt_momentum,
         "width": args.width,
         "seed": args.seed,
         "n_params": tr.n_params,

@@ -208,3 +208,53 @@ def test_info_lists_versions_and_mpi():
         "CPU threads",
         "CUDA-aware MPI",
     } <= labels
+
+
+def test_dgc_techniques_are_recorded_and_checkpointed(runs):
+    """--momentum-correction (the optimizer then has momentum 0), --clip-norm and the density
+    warm-up: recorded in metrics.json; the velocities are in the checkpoint, keyed by parameter."""
+    dgc = ["--momentum-correction", "--clip-norm", "5", "--density-warmup", "30"]
+    out, ck = runs / "dgc", runs / "dgc_ck"
+    run_mpi(
+        2,
+        [*COMMON, "--epochs", "1", *dgc, "--out", str(out), "--checkpoint", str(ck)],
+        timeout=240,
+        env=ENV,
+    )
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["momentum_correction"] and m["factor_masking"]
+    assert (m["momentum"], m["optimizer_momentum"]) == (0.9, 0.0)
+    assert (m["clip_norm"], m["density_warmup"], m["warmup_density"]) == (5.0, 30, 0.25)
+    saved = _load(ck.parent / f"{ck.name}.rank0.pt")
+    assert saved["reducer"]["techniques"]["momentum_correction"] == 0.9
+    vel = saved["reducer"]["velocity"]
+    assert sorted(vel) == sorted(k for k in saved["model"] if k.endswith(("weight", "bias")))
+    assert any(bool(v.abs().max() > 0) for v in vel.values())
+    # Mid warm-up (23 sparse steps of 30): the allreducer's density is above the target.
+    assert 0.01 < saved["reducer"]["allreducer"]["density"] < 0.25
+    assert all("momentum_buffer" not in s for s in saved["optimizer"]["state"].values())
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--no-factor-masking"], "--no-factor-masking applies with --momentum-correction only"),
+        (
+            ["--density-warmup", "5", "--warmup-density", "0.001"],
+            "--warmup-density must be >= --density=0.01",
+        ),
+        (
+            ["--momentum-correction", "--residual", "none"],
+            "--momentum-correction needs error feedback",
+        ),
+    ],
+)
+def test_bad_dgc_options_are_usage_errors(option, message):
+    """Checked before any communication (in this process: the parser and the argument check)."""
+    from spardl.cli import build_parser
+    from spardl.train import UsageError, _check_args, _resolve_task
+
+    args = build_parser().parse_args(["train", *COMMON[3:], *option])
+    _resolve_task(args)
+    with pytest.raises(UsageError, match=message):
+        _check_args(args, 2)
