@@ -30,6 +30,7 @@ __all__ = [
     "SparseHookState",
     "init_process_group_from_mpi",
     "sparse_allreduce_hook",
+    "warmup_density_at",
 ]
 
 
