@@ -405,9 +405,10 @@ class _Core:
                 ar.set_density(rho)
         if tech.clip_norm is not None:
             self._clip()
-        x_in = None
+        x_in = u_before = None
         if tech.momentum is not None:
             u = self._velocity()
+            u_before = u.clone()  # a step that raises or is skipped leaves u as it was
             kept = [(a, b, u[a:b].clone()) for a, b in unused]
             u.mul_(tech.momentum).add_(self.flat)  # as torch.optim.SGD's momentum buffer
             for a, b, v in kept:
@@ -426,7 +427,15 @@ class _Core:
             res = ar.residual
             keep = [(a, b, np.array(res[a:b], copy=True)) for a, b in unused]
         buf = _as_numpy(self.flat)
-        out = ar(buf)
+        skipped = ar.stats.get("skipped_steps", 0)
+        try:
+            out = ar(buf)
+        except BaseException:
+            if u_before is not None:
+                self.velocity = u_before
+            raise
+        if u_before is not None and ar.stats.get("skipped_steps", 0) != skipped:
+            self.velocity, x_in = u_before, None  # nonfinite="skip": the step is not applied
         if keep:
             res = ar.residual  # the allreducer's own host array: restored in place
             for a, b, v in keep:

@@ -184,3 +184,18 @@ def test_momentum_correction_conserves_and_masks_what_was_sent(checks, algorithm
     r = checks["conservation"][algorithm]
     assert r["conservation_error"] <= 1e-6
     assert r["mask_ok"] and r["masked"] > 0
+
+
+def test_a_step_that_raises_leaves_the_velocity_as_it_was():
+    import spardl
+
+    p = torch.nn.Parameter(torch.zeros(40))
+    red = st.SparseGradientReducer([p], MPI.COMM_SELF, "topka", momentum_correction=0.9)
+    p.grad = torch.randn(40)
+    red.reduce()
+    before = red.velocities()[next(iter(red.velocities()))].copy()
+    p.grad = torch.full((40,), float("nan"))
+    with pytest.raises(spardl.NonFiniteError):
+        red.reduce()
+    after = red.velocities()[next(iter(red.velocities()))]
+    assert after.tobytes() == before.tobytes()
