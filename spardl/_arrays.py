@@ -28,6 +28,7 @@ __all__ = [
     "zeros",
     "copy",
     "cast",
+    "accumulate",
     "add_into",
     "set_at",
     "zero_at",
@@ -109,6 +110,14 @@ def cast(x, dtype, copy: bool = True):
     if not copy and x.dtype == dtype:
         return x
     return device_ops().cast(x, dtype) if is_device(x) else x.astype(dtype, copy=True)
+
+
+def accumulate(g, e):
+    """X = g + e in e's dtype, as a new array (g is converted exactly, then added): the same bits
+    as ``add_into(cast(g, e.dtype), e)``, in one pass over host memory instead of two."""
+    if is_device(g):
+        return device_ops().add_into(device_ops().cast(g, e.dtype), e)
+    return np.add(g, e, dtype=e.dtype)
 
 
 def add_into(x, y):

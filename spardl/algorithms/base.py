@@ -409,9 +409,10 @@ class Allreducer:
         elif A.is_device(self._residual) != device:
             # The gradient moved (or a host checkpoint was loaded): one copy of E, once.
             self._residual = A.like(self._residual, device)
-        x = A.cast(g, self._residual.dtype, copy=True)
         if self.residual_mode != "none":
-            A.add_into(x, self._residual)  # X = g + E_old
+            x = A.accumulate(g, self._residual)  # X = g + E_old, one pass, a new buffer
+        else:
+            x = A.cast(g, self._residual.dtype, copy=True)
         if device and not self.device_resident:
             red = self._reduce(A.to_host(x))  # staged: one copy in ...
             red = Reduced(*(A.to_device(a) for a in (red.indices, red.values, red.residual)))
