@@ -745,7 +745,8 @@ class SparseHookState:
         return self._core.residuals()
 
     def state_dict(self) -> dict:
-        """Step, counters, the parameter layout and the allreducer's state (residuals)."""
+        """Step, counters, the parameter layout, the allreducer's state (residuals, density) and,
+        with ``momentum_correction``, the velocities keyed by parameter."""
         return self._core.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
@@ -1117,7 +1118,9 @@ class SparseGradientReducer:
         return self._core.residuals()
 
     def state_dict(self) -> dict:
-        """The allreducer's state (residuals, selector state), the layout, step and counters.
+        """The allreducer's state (residuals, selector state, density), the layout, step and
+        counters, and with ``momentum_correction`` the velocities keyed by parameter (they follow
+        their parameters into another layout, like the residuals).
 
         Arrays are torch tensors and scalars plain Python numbers, so ``torch.save`` /
         ``torch.load`` (with its default ``weights_only=True``) round-trip it.

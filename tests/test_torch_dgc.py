@@ -199,3 +199,25 @@ def test_a_step_that_raises_leaves_the_velocity_as_it_was():
         red.reduce()
     after = red.velocities()[next(iter(red.velocities()))]
     assert after.tobytes() == before.tobytes()
+
+
+def test_velocity_follows_each_parameter_into_another_layout():
+    a, b = torch.nn.Parameter(torch.zeros(30)), torch.nn.Parameter(torch.zeros(20))
+    red = st.SparseGradientReducer(
+        [("a", a), ("b", b)], MPI.COMM_SELF, "topka", density=0.1, momentum_correction=0.9
+    )
+    for _ in range(2):
+        a.grad, b.grad = torch.randn(30), torch.randn(20)
+        red.reduce()
+    saved, vel = red.state_dict(), red.velocities()
+    other = st.SparseGradientReducer(
+        [("b", b), ("a", a)], MPI.COMM_SELF, "topka", density=0.1, momentum_correction=0.9
+    )
+    other.load_state_dict(saved)
+    a.grad, b.grad = torch.zeros(30), torch.zeros(20)
+    other.reduce()  # u ← 0.9·u: the loaded velocities, each in its parameter's new place
+    for k in ("a", "b"):
+        u = vel[k] * np.float32(0.9)
+        got = other.velocities()[k]
+        np.testing.assert_array_equal(got[got != 0], u[got != 0])
+        assert np.count_nonzero(got) > 0
