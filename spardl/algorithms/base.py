@@ -237,7 +237,10 @@ class Allreducer:
         ------
         ValueError, TypeError
             On every rank, if any rank's ``density`` is invalid or the ranks disagree (value,
-            or the number of calls made so far); the state is then unchanged.
+            or the number of calls made so far); the state is then unchanged. A rank that
+            steps while another changes the density raises too (the step's own check meets
+            this one), unless the allreducer was built with ``check=False``: then, as for any
+            mismatched call, the job may hang.
         """
         err = None
         try:
