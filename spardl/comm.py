@@ -781,7 +781,7 @@ def abort_on_exception(comm, code: int = 1, reraise=()):
         if e.code not in (0, None):
             _abort(comm, code)
         raise
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - whatever one rank raises must end the whole job
         _abort(comm, code)
 
 

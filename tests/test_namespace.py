@@ -1,4 +1,5 @@
-"""The public surface of spardl_kernels is exactly the twelve kernels of docs/design.md §3."""
+"""The public surfaces: spardl_kernels is exactly the twelve kernels of docs/design.md §3, and
+``spardl.__all__`` is exactly the names docs/design.md §6 documents."""
 
 import sys
 
@@ -33,6 +34,34 @@ def test_all_is_exactly_the_kernels():
         f = getattr(spardl_kernels, name)
         assert callable(f) and f.__doc__ and "Parameters" in f.__doc__
         assert f.__name__ == name
+
+
+def test_spardl_all_is_exactly_the_public_surface():
+    import spardl
+
+    assert sorted(spardl.__all__) == sorted(
+        [
+            "ALGORITHMS",
+            "Allreducer",
+            "Comm",
+            "abort_on_exception",
+            "NonFiniteError",
+            "SparseResult",
+            "make",
+            "__version__",
+        ]
+    )
+    for name in spardl.__all__:
+        assert hasattr(spardl, name), name
+    assert sorted(spardl.ALGORITHMS) == [
+        "dense",
+        "gaussiank",
+        "gtopk",
+        "oktopk",
+        "spardl",
+        "topka",
+        "topkdsa",
+    ]
 
 
 def test_cpu_arrays_stay_on_cpu():
