@@ -23,6 +23,8 @@ MODULES = [
     "spardl.model_cli",
     "spardl.torch",
     "spardl.cli",
+    "spardl.cluster",
+    "spardl.lm",
 ]
 
 
