@@ -121,25 +121,24 @@ def _timed(comm, call):
 
 def _median_time(comm, call, warmup, repeat, peer=None):
     """Median over ``repeat`` timed calls (each after a barrier) of the slowest rank's time,
-    the bytes each node's link sent per call (mean over nodes; None outside a cluster), and,
-    with ``peer`` (a ``(call, link bytes per call)`` pair), the median over the repeats of
-    time / the peer's time, the peer timed right before each call (a paired ratio: both see
-    the same load on a shared machine); else None."""
+    the bytes each node's link sent per call (mean over nodes and calls, counters read around
+    each timed call alone; None outside a cluster), and, with ``peer`` (a ``(call, link bytes
+    per call)`` pair), the median over the repeats of time / the peer's time, the peer timed
+    right before each call (a paired ratio: both see the same load on a shared machine); else
+    None."""
     for _ in range(warmup):
         call()
-    before = _link_tx(comm)
-    times, ratios = [], []
+    times, ratios, sent = [], [], []
     for _ in range(repeat):
         tp = None if peer is None else _timed(comm, peer[0])
+        before = _link_tx(comm)  # read around this call only, not the peer's
         times.append(_timed(comm, call))
+        after = _link_tx(comm)
+        if before is not None:
+            sent.append((after[0] - before[0]) / after[1])
         if tp is not None:
             ratios.append(times[-1] / tp)
-    after = _link_tx(comm)
-    link = None
-    if before is not None:
-        link = (after[0] - before[0]) / after[1] / repeat
-        if peer is not None and peer[1] is not None:
-            link -= peer[1]  # the peer's calls crossed the links too
+    link = float(np.mean(sent)) if sent else None
     return float(np.median(times)), link, float(np.median(ratios)) if ratios else None
 
 
