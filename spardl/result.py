@@ -124,7 +124,8 @@ class SparseResult:
         out : ndarray of shape (n,), optional
             Written in full (zeros outside ``indices``). A new array of the value dtype if
             omitted, on the device when the result is on the device (then ``out``, if given,
-            must be a device array too).
+            must be a device array too). Its dtype must be the result's :attr:`dtype` (no
+            silent cast: cast the returned array yourself if another dtype is wanted).
 
         Returns
         -------
@@ -137,7 +138,8 @@ class SparseResult:
         ValueError
             If ``out`` does not have shape (n,).
         TypeError
-            If ``out`` is a host array for a device result, or the other way round.
+            If ``out`` is a host array for a device result, or the other way round, or its dtype
+            is not the result's dtype.
         """
         from . import _arrays as A
 
@@ -149,6 +151,9 @@ class SparseResult:
                 raise ValueError(f"out must have shape ({self.n},), got {got}")
             if A.is_device(out) != device:
                 raise TypeError("out must be a device array for a device result, a host array else")
+            got = np.dtype(getattr(out, "dtype", None))
+            if got != self.dtype:
+                raise TypeError(f"out has dtype {got}, the result has dtype {self.dtype}")
         if src is not None:
             if out is None:
                 return A.copy(src)

@@ -41,9 +41,9 @@ def test_dense_form_to_dense_is_a_copy():
     a[:] = 1
     assert d.to_dense().tobytes() == v.tobytes()
     assert d._indices is None  # to_dense never needs the indices
-    out = np.full(12, 9.0, np.float64)
+    out = np.full(12, 9.0, np.float32)
     assert d.to_dense(out=out) is out
-    np.testing.assert_array_equal(out, v.astype(np.float64))
+    np.testing.assert_array_equal(out, v)
 
 
 def test_dense_form_of_all_zeros_and_of_a_full_vector():
@@ -60,6 +60,11 @@ def test_to_dense_checks_out_for_both_forms():
     ):
         with pytest.raises(ValueError, match="shape"):
             r.to_dense(out=np.zeros(5, np.float32))
+        for dtype in (np.int32, np.uint8, np.float16, np.float64):
+            out = np.full(4, 7, dtype)
+            with pytest.raises(TypeError, match=f"out has dtype {np.dtype(dtype)}"):
+                r.to_dense(out=out)
+            assert (out == 7).all()  # untouched
 
 
 def test_results_are_read_only():
