@@ -58,6 +58,9 @@ __all__ = [
 SUBNET = "198.18.0"
 HEAD_ADDRESS = f"{SUBNET}.254"
 MAX_NODES = 250
+#: Link rates the emulation accepts, in bits per second: below 1 Mbit/s an MPI job's start-up
+#: alone takes minutes; above 100 Gbit/s the shaping is not what limits a veth pair.
+MIN_RATE, MAX_RATE = 1e6, 1e11
 #: Transport settings that keep MPI on the shaped TCP links (UCX, the MPICH wheel's netmod).
 TCP_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"}
 _PREFIX_RE = re.compile(r"^spardl-(\d+)-([0-9a-f]{6})-")
@@ -117,12 +120,12 @@ def parse_rate(text: str) -> float:
     Returns
     -------
     float
-        Bits per second, > 0.
+        Bits per second, in [:data:`MIN_RATE`, :data:`MAX_RATE`] (1 Mbit/s to 100 Gbit/s).
 
     Raises
     ------
     ValueError
-        If ``text`` is not a positive rate in that syntax.
+        If ``text`` is not a rate in that syntax and range.
     """
     m = _NUM_UNIT.match(str(text))
     unit = m.group(2).lower() if m else None
@@ -131,8 +134,10 @@ def parse_rate(text: str) -> float:
             f"rate must be a number with a tc unit (e.g. 1gbit, 100mbit, 10gbit), got {text!r}"
         )
     value = float(m.group(1)) * _RATE_UNITS[unit or "bit"]
-    if not value > 0:
-        raise ValueError(f"rate must be > 0, got {text!r}")
+    if not MIN_RATE <= value <= MAX_RATE:
+        raise ValueError(
+            f"rate must be between 1mbit and 100gbit (tc syntax, e.g. 1gbit), got {text!r}"
+        )
     return value
 
 

@@ -41,6 +41,18 @@ def time_type(text: str) -> str:
     return text
 
 
+def _nodes_type(text: str) -> int:
+    from .cluster import MAX_NODES
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= v <= MAX_NODES:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_NODES}], got {v}")
+    return v
+
+
 def add_cluster(sub) -> None:
     """Register ``spardl cluster`` and its subcommands on ``sub`` (an argparse subparsers)."""
     from .train import POSITIVE_FLOAT, POSITIVE_INT
@@ -60,7 +72,7 @@ def add_cluster(sub) -> None:
         "each node, prints the bytes each node's link carried, tears everything down (also on "
         "Ctrl-C, failure or timeout) and exits with the command's status.",
     )
-    r.add_argument("--nodes", "-N", type=POSITIVE_INT, required=True, help="N")
+    r.add_argument("--nodes", "-N", type=_nodes_type, required=True, help="N, 1 to 250")
     r.add_argument("--ranks-per-node", "-R", type=POSITIVE_INT, default=1, help="R (default 1)")
     r.add_argument(
         "--bandwidth",
@@ -124,6 +136,10 @@ def _cmd_run(args) -> int:
         command = command[1:]
     if not command:
         return _error("no command given (spardl cluster run --nodes N -- COMMAND [ARGS...])")
+    if args.report is not None:
+        folder = args.report.resolve().parent
+        if not folder.is_dir():
+            return _error(f"--report: folder {folder} does not exist")
     problem = check_quick()
     if problem:
         return _error(problem)

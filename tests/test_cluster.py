@@ -54,13 +54,15 @@ def _cluster_cli(args, timeout=300, **kw) -> subprocess.CompletedProcess:
 # -- no privileges needed -------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "text, bps",
-    [("1gbit", 1e9), ("100mbit", 1e8), ("10GBIT", 1e10), ("125mbps", 1e9), ("1kibit", 1024)],
+    [("1gbit", 1e9), ("100mbit", 1e8), ("10GBIT", 1e10), ("125mbps", 1e9), ("1mibit", 2**20)],
 )
 def test_parse_rate(text, bps):
     assert cluster.parse_rate(text) == pytest.approx(bps)
 
 
-@pytest.mark.parametrize("text", ["", "fast", "0gbit", "-1mbit", "1zbit", "1 g bit"])
+@pytest.mark.parametrize(
+    "text", ["", "fast", "0gbit", "-1mbit", "1zbit", "1 g bit", "1", "999kbit", "200gbit"]
+)
 def test_parse_rate_rejects(text):
     with pytest.raises(ValueError, match="rate"):
         cluster.parse_rate(text)
@@ -87,6 +89,9 @@ def test_cluster_arguments_are_checked():
         (["run", "--nodes", "0", "--", "true"], "--nodes"),
         (["run", "--nodes", "2", "--bandwidth", "1zbit", "--", "true"], "--bandwidth"),
         (["run", "--nodes", "2", "--latency", "soon", "--", "true"], "--latency"),
+        (["run", "--nodes", "1000", "--", "true"], "--nodes"),
+        (["run", "--nodes", "2", "--bandwidth", "1", "--", "true"], "--bandwidth"),
+        (["run", "--nodes", "2", "--report", "/nonexistent/dir/r.json", "--", "true"], "--report"),
     ],
 )
 def test_usage_errors_are_one_line_status_2(args, says):
