@@ -143,7 +143,7 @@ class _Techniques:
         factor_masking=True,
         clip_norm=None,
         density_warmup=0,
-        warmup_density=0.25,
+        warmup_density=None,
         *,
         density=None,
         residual="global",
@@ -164,6 +164,8 @@ class _Techniques:
             m = float(m)
         if not isinstance(factor_masking, bool):
             raise TypeError(f"factor_masking must be a bool, got {type(factor_masking).__name__}")
+        if not factor_masking and m is None:
+            raise ValueError("factor_masking=False applies with momentum_correction only")
         c = clip_norm
         if c is not None:
             if isinstance(c, bool) or not isinstance(c, (int, float, np.floating)):
@@ -176,11 +178,13 @@ class _Techniques:
             raise TypeError(f"density_warmup must be an integer, got {type(w).__name__}")
         if w < 0:
             raise ValueError(f"density_warmup must be >= 0, got {w}")
-        r0 = warmup_density
+        r0 = 0.25 if warmup_density is None else warmup_density
         if isinstance(r0, bool) or not isinstance(r0, (int, float, np.floating)):
             raise TypeError(f"warmup_density must be a float, got {type(r0).__name__}")
         if not 0 < r0 <= 1:
             raise ValueError(f"warmup_density must be in (0, 1], got {r0}")
+        if warmup_density is not None and w == 0:
+            raise ValueError("warmup_density applies with density_warmup > 0 only")
         if (
             w > 0
             and isinstance(density, (int, float, np.floating))
@@ -247,8 +251,12 @@ _DEFAULT_DENSITY = 0.01
 _COMMON_OPTIONS = ("density", "op", "residual", "nonfinite", "check")
 
 
-def _validate_options(ctl: Comm, algorithm, options: dict, err=None, hook=False) -> None:
-    """Collective: every rank raises the same error if any rank's algorithm or options are bad.
+def _validate_options(
+    ctl: Comm, algorithm, options: dict, err=None, hook=False, agreed=None
+) -> None:
+    """Collective: every rank raises the same error if any rank's algorithm or options are bad,
+    or if the ranks' algorithm, options (names and values) or ``agreed`` (the reducer's own
+    settings: ``warmup_steps``, the DGC techniques, the parameter layout) differ.
 
     Unknown options are named with the full list of accepted ones (common and the algorithm's
     own). For the hook (whose n is known only at its first call) the values are then checked by
@@ -269,8 +277,12 @@ def _validate_options(ctl: Comm, algorithm, options: dict, err=None, hook=False)
             err = TypeError(
                 f"{algorithm}: unknown option(s) {unknown}; accepted: {sorted(accepted)}"
             )
-    described = {"algorithm": repr(algorithm), "options": repr(sorted(options))}
-    collective_check(ctl, err, [name_hash(described["options"])], described)
+    described = {
+        "algorithm": repr(algorithm),
+        "options": repr(sorted((k, _plain(v)) for k, v in options.items())),
+        **{k: _plain(v) for k, v in (agreed or {}).items()},
+    }
+    collective_check(ctl, err, [name_hash(repr(sorted(described.items())))], described)
     if not hook:
         return
     # The values: make's own checks and messages (unknown algorithm included), on every rank.
@@ -278,6 +290,18 @@ def _validate_options(ctl: Comm, algorithm, options: dict, err=None, hook=False)
     for sub in (getattr(probe, "_team", None), getattr(probe, "_cross", None)):
         if sub is not None and sub is not ctl:
             sub.free()  # SparDL's team communicators (teams > 1)
+
+
+def _plain(v):
+    """A NumPy scalar as the Python number it holds (its repr then matches a plain number's)."""
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def _layout(names, params) -> str:
+    """The parameters' layout in words: total n, count, and a hash of the names and shapes."""
+    shapes = repr([(k, tuple(p.shape)) for k, p in zip(names, params, strict=True)])
+    n = sum(p.numel() for p in params)
+    return f"n={n}, {len(params)} tensors, layout hash {name_hash(shapes)}"
 
 
 _ANNOUNCED = False
@@ -380,8 +404,20 @@ class _Core:
             self.target_density = self.sparse.density
             self.created += 1
             if self.pending is not None:
-                self._apply(self.pending)
+                # Collective: a loaded state that does not fit on some rank raises on every rank.
+                fresh, err = self.sparse._snapshot(), None
+                try:
+                    self._apply(self.pending)
+                except (TypeError, ValueError) as e:
+                    err = e
                 self.pending = None
+                try:
+                    collective_check(
+                        self.ctl, err, [name_hash("apply loaded state")], {"loaded state": "ok"}
+                    )
+                except BaseException:
+                    self.sparse._restore(fresh)
+                    raise
         return self.sparse
 
     def run(self, unused) -> object:
@@ -515,10 +551,53 @@ class _Core:
         )
 
     def load_state_dict(self, state: dict) -> None:
+        """Collective, all or nothing on every rank: a state invalid on any rank raises on every
+        rank and leaves every rank's state (step, counters, velocities, the allreducer's state)
+        as it was."""
+        import copy
+
+        saved = (
+            self.step,
+            self.velocity,
+            self.pending_velocity,
+            copy.deepcopy(self.stats),
+            self.pending,
+            None if self.sparse is None else self.sparse._snapshot(),
+        )
+        err = None
+        try:
+            self._load_local(state)
+        except (TypeError, ValueError) as e:
+            err = e
+        try:
+            collective_check(
+                self.ctl,
+                err,
+                [name_hash("load_state_dict"), saved[0], self.step if err is None else -1],
+                {
+                    "load_state_dict": self.algorithm,
+                    "step before": saved[0],
+                    "state's step": self.step if err is None else None,
+                },
+            )
+        except BaseException:
+            self.step, self.velocity, self.pending_velocity, stats, self.pending, ar = saved
+            self.stats.clear()
+            self.stats.update(stats)
+            if ar is not None:
+                self.sparse._restore(ar)
+            raise
+
+    def _load_local(self, state) -> None:
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict (from state_dict()), got {type(state).__name__}")
         state = from_torch_state(state)
-        if state.get("algorithm") != self.algorithm:
+        missing = [k for k in ("algorithm", "step") if k not in state]
+        if missing:
+            raise ValueError(f"state is missing key(s) {missing} (not a state_dict() output?)")
+        if state["algorithm"] != self.algorithm:
             raise ValueError(
-                f"state was saved with algorithm={state.get('algorithm')!r}, "
+                f"state was saved with algorithm={state['algorithm']!r}, "
                 f"this one has {self.algorithm!r}"
             )
         if "allreducers" in state and "allreducer" not in state:
@@ -527,9 +606,12 @@ class _Core:
                 "cannot be assigned to parameters"
             )
         saved = state.get("allreducer")
-        if saved is not None and saved.get("world_size") != self.comm.size:
+        if saved is not None and (
+            not isinstance(saved, dict) or saved.get("world_size") != self.comm.size
+        ):
             raise ValueError(
-                f"state was saved with world_size={saved.get('world_size')!r}, "
+                f"state was saved with world_size="
+                f"{saved.get('world_size') if isinstance(saved, dict) else None!r}, "
                 f"this one has {self.comm.size}"
             )
         velocity = state.get("velocity")
@@ -538,15 +620,16 @@ class _Core:
                 "the state holds momentum-correction velocities, but momentum_correction is "
                 "None here"
             )
-        self.step = int(state["step"])
+        step = int(state["step"])
+        if self.sparse is not None:
+            self._apply(state)  # local and all or nothing; may raise before anything changed
+        else:
+            self.pending = state
+        self.step = step
         self.velocity = None
         self.pending_velocity = dict(velocity) if velocity else None
         self.stats.clear()
         self.stats.update(state.get("stats") or {})
-        if self.sparse is not None:
-            self._apply(state)
-        else:
-            self.pending = state
 
     def _apply(self, state: dict) -> None:
         """Load a saved state into the sparse allreducer. Same parameters in the same layout:
@@ -557,10 +640,10 @@ class _Core:
             return
         ar = self.sparse
         if state.get("keys") is None:  # saved before the layout was recorded: same n only
-            ar.load_state_dict(saved)
+            ar._load_local(saved)
             return
         if list(state["keys"]) == self.keys and list(state["numels"]) == self.numels:
-            ar.load_state_dict(saved)
+            ar._load_local(saved)
             return
         res = saved.get("residual")
         if res is None:
@@ -584,7 +667,7 @@ class _Core:
                     )
                 new[self.offsets[i] : self.offsets[i + 1]] = old[k]
         fresh.update(step=int(saved["step"]), dtype=str(dtype), residual=new)
-        ar.load_state_dict(fresh)
+        ar._load_local(fresh)
 
 
 class SparseHookState:
@@ -653,7 +736,7 @@ class SparseHookState:
         factor_masking: bool = True,
         clip_norm=None,
         density_warmup: int = 0,
-        warmup_density: float = 0.25,
+        warmup_density: float | None = None,
         **allreducer_options,
     ):
         err, tech = None, None
@@ -672,8 +755,15 @@ class SparseHookState:
             )
         except (TypeError, ValueError) as e:
             err = e
+        agreed = {"warmup_steps": warmup_steps, **(tech.as_dict() if tech else {})}
+        if err is None and model is not None:
+            inner = getattr(model, "module", model)
+            named = [(k, p) for k, p in inner.named_parameters() if p.requires_grad]
+            agreed["parameters"] = _layout([k for k, _ in named], [p for _, p in named])
         self._core = _Core(comm, algorithm, 0, allreducer_options, tech)
-        _validate_options(self._core.ctl, algorithm, allreducer_options, err, hook=True)
+        _validate_options(
+            self._core.ctl, algorithm, allreducer_options, err, hook=True, agreed=agreed
+        )
         self._core.warmup_steps = warmup_steps
         self.algorithm = algorithm
         self.warmup_steps = warmup_steps
@@ -957,9 +1047,9 @@ class SparseGradientReducer:
         the dense ``warmup_steps``): ρ_s = warmup_density·(density/warmup_density)^(s/W), then
         ``density``; applied by :meth:`spardl.Allreducer.set_density` (no rebuild, residuals
         kept). 0: off.
-    warmup_density : float, default 0.25
+    warmup_density : float, optional
         The density of the warm-up's first sparse step (DGC starts at 25%), in (0, 1], at least
-        ``density``.
+        ``density``; given only with ``density_warmup`` > 0 (default then: 0.25).
     **options
         Passed to :func:`spardl.make` (``density``, ``teams``, ``residual``, ``op``, ...).
 
@@ -967,7 +1057,11 @@ class SparseGradientReducer:
     ------
     ValueError, TypeError
         On every rank, if any rank's parameters or options are invalid or the ranks disagree
-        (different n, algorithm or options); the messages are those of :func:`spardl.make`.
+        (any option, ``warmup_steps`` and the DGC options included, or the parameters' layout:
+        their number of elements and order), naming the option that differs; a ``params`` that
+        is a single tensor, holds no parameter with ``requires_grad``, or holds one twice; a
+        ``factor_masking=False`` without ``momentum_correction`` or a ``warmup_density``
+        without ``density_warmup``. Other messages are those of :func:`spardl.make`.
     """
 
     def __init__(
@@ -981,18 +1075,31 @@ class SparseGradientReducer:
         factor_masking: bool = True,
         clip_norm=None,
         density_warmup: int = 0,
-        warmup_density: float = 0.25,
+        warmup_density: float | None = None,
         **options,
     ):
         err, tech = None, None
         named = []
         try:
+            if isinstance(params, torch.Tensor):
+                raise TypeError(
+                    "params must be an iterable of parameters (model.parameters()), got a "
+                    "single Tensor; pass [tensor]"
+                )
+            seen = {}
             for i, item in enumerate(params):
                 name, p = item if isinstance(item, tuple) else (str(i), item)
                 if not isinstance(p, torch.Tensor):
                     raise TypeError(f"params must hold tensors, got {type(p).__name__}")
+                if id(p) in seen:
+                    raise ValueError(
+                        f"params holds the same parameter twice ({seen[id(p)]} and {name})"
+                    )
+                seen[id(p)] = name
                 if p.requires_grad:
                     named.append((name, p))
+            if not named:
+                raise ValueError("params holds no parameter with requires_grad=True")
             bad = sorted({str(p.dtype) for _, p in named if not p.dtype.is_floating_point})
             if bad:
                 raise TypeError(f"params must be floating point, got dtype(s) {bad}")
@@ -1013,7 +1120,12 @@ class SparseGradientReducer:
         self.n = int(sum(p.numel() for p in self.params))
         self.algorithm = algorithm
         self._core = _Core(comm, algorithm, self._warmup, options, tech)
-        _validate_options(self._core.ctl, algorithm, options, err)
+        agreed = {
+            "warmup_steps": self._warmup,
+            **(tech.as_dict() if tech else {}),
+            "parameters": _layout(self.names, self.params),
+        }
+        _validate_options(self._core.ctl, algorithm, options, err, agreed=agreed)
         self._core.set_layout(
             self.names, [p.numel() for p in self.params], _flat_dtype(p.dtype for p in self.params)
         )

@@ -133,6 +133,8 @@ def test_density_warmup_falls_exponentially_to_the_target():
         ({"density_warmup": -1}, ValueError, "density_warmup must be >= 0"),
         ({"density_warmup": 2.0}, TypeError, "density_warmup must be an integer"),
         ({"warmup_density": 1.5}, ValueError, r"warmup_density must be in \(0, 1\]"),
+        ({"factor_masking": False}, ValueError, "factor_masking=False applies with momentum"),
+        ({"warmup_density": 0.3}, ValueError, "warmup_density applies with density_warmup"),
         (
             {"density_warmup": 5, "density": 0.5},
             ValueError,

@@ -302,10 +302,17 @@ class Allreducer:
                 ) from e
             self._check_vector(g.ndim, g.shape, np.dtype(g.dtype))
             return g
+        if getattr(grad, "requires_grad", False):
+            raise TypeError(
+                "grad is a tensor that requires grad: pass grad.detach() (or the .grad of a "
+                "parameter, which does not require grad)"
+            )
         try:
             g = np.asarray(grad)
         except Exception as e:  # noqa: BLE001 - anything NumPy cannot view is a type error
             raise TypeError(f"grad must be a 1-D array, got {type(grad).__name__}") from e
+        if g.dtype == object or (g.ndim == 0 and not isinstance(grad, np.ndarray)):
+            raise TypeError(f"grad must be a 1-D float array, got {type(grad).__name__}")
         self._check_vector(g.ndim, g.shape, g.dtype)
         return g
 
@@ -521,35 +528,107 @@ class Allreducer:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output; the next call continues bit for bit.
 
+        Collective: every rank calls it (each with its own rank's state) between the same two
+        calls. All or nothing, on every rank: if the state is invalid on any rank, every rank
+        raises and every rank's state stays as it was.
+
+        Parameters
+        ----------
+        state : dict
+            What :meth:`state_dict` returned (on this rank).
+
         Raises
         ------
+        TypeError
+            On every rank, if some rank's ``state`` is not a dict.
         ValueError
-            If the state comes from another algorithm, n, world size or rank.
+            On every rank, if some rank's state misses a key, comes from another algorithm, n,
+            world size or rank, or the ranks' states disagree on the step or call count.
         """
+        saved = self._snapshot()
+        err = None
+        try:
+            self._load_local(state)
+        except (TypeError, ValueError) as e:
+            err = e
+            self._restore(saved)
+        calls = self._calls if err is None else -1
+        try:
+            self.collective_check(
+                err,
+                [name_hash(f"{self.name}|load_state_dict"), saved[1], calls, self.step],
+                {
+                    "load_state_dict": self.name,
+                    "call number before": saved[1],
+                    "state's call number": calls,
+                    "state's step": self.step if err is None else None,
+                },
+            )
+        except BaseException:
+            self._restore(saved)
+            raise
+
+    def _snapshot(self):
+        """Everything :meth:`_load_local` changes (the residual by reference: it is replaced,
+        never written in place, by a load)."""
+        return (
+            self.step,
+            self._calls,
+            self._dtype,
+            self._residual,
+            self._extra_state(),
+            self.density,
+        )
+
+    def _restore(self, saved) -> None:
+        self._rollback(saved[:5])
+        if saved[5] != self.density:
+            self._apply_density(saved[5])
+            self._load_extra_state(saved[4])
+
+    def _load_local(self, state) -> None:
+        """:meth:`load_state_dict` on this rank alone (no messages); all or nothing here."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict (from state_dict()), got {type(state).__name__}")
+        missing = [
+            k
+            for k in ("algorithm", "n", "world_size", "rank", "step", "calls", "dtype", "residual")
+            if k not in state
+        ]
+        if missing:
+            raise ValueError(f"state is missing key(s) {missing} (not a state_dict() output?)")
         for key, mine in (
             ("algorithm", self.name),
             ("n", self.n),
             ("world_size", self.P),
             ("rank", self.rank),
         ):
-            if state.get(key) != mine:
+            if state[key] != mine:
                 raise ValueError(
-                    f"state was saved with {key}={state.get(key)!r}, this allreducer has {mine!r}"
+                    f"state was saved with {key}={state[key]!r}, this allreducer has {mine!r}"
                 )
-        self.step = int(state["step"])
-        self._calls = int(state["calls"])
-        self._dtype = None if state["dtype"] is None else np.dtype(state["dtype"])
         res = state["residual"]
-        if res is not None and (res.shape != (self.n,)):
-            raise ValueError(f"state residual has shape {res.shape}, expected ({self.n},)")
-        self._residual = None if res is None else np.array(A.to_host(res), copy=True)
+        if res is not None and getattr(res, "shape", None) != (self.n,):
+            raise ValueError(
+                f"state residual has shape {getattr(res, 'shape', None)}, expected ({self.n},)"
+            )
         density = float(state.get("density", self.density))
-        if density != self.density:  # saved after set_density: ρ, k and what derives from them
+        if density != self.density:
             self._validate_common(
                 self.n, density, self.op, self.residual_mode, self.nonfinite, self.check
             )
-            self._apply_density(density)
-        self._load_extra_state(state.get("extra", {}))
+        saved = self._snapshot()
+        try:
+            self.step = int(state["step"])
+            self._calls = int(state["calls"])
+            self._dtype = None if state["dtype"] is None else np.dtype(state["dtype"])
+            self._residual = None if res is None else np.array(A.to_host(res), copy=True)
+            if density != self.density:  # saved after set_density: ρ, k and what derives
+                self._apply_density(density)
+            self._load_extra_state(state.get("extra", {}))
+        except Exception as e:  # noqa: BLE001 - a malformed state: restored, then a ValueError
+            self._restore(saved)
+            raise ValueError(f"state is malformed ({type(e).__name__}: {e})") from e
 
     def __repr__(self) -> str:
         return (

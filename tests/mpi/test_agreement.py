@@ -1,0 +1,116 @@
+"""The PyTorch integration's construction and every load_state_dict are collective: options that
+differ across ranks, and a state that is bad on one rank only, raise on every rank, and a failed
+load leaves every rank's state as it was (no rank is left out of step).
+
+Runs on every rank under `mpiexec -n P` (tests/test_mpi.py); at P = 1 there is no other rank to
+differ, and the same calls must succeed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import spardl
+import spardl.torch as st
+
+P = MPI.COMM_WORLD.Get_size()
+RANK = MPI.COMM_WORLD.Get_rank()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"warmup_steps": RANK}, "warmup_steps"),
+        ({"momentum_correction": 0.9 if RANK else None}, "momentum_correction"),
+        ({"momentum_correction": 0.9, "factor_masking": RANK == 0}, "factor_masking"),
+        ({"clip_norm": 1.0 + RANK}, "clip_norm"),
+        ({"density_warmup": RANK + 1}, "density_warmup"),
+        ({"density_warmup": 3, "warmup_density": 0.25 + 0.1 * RANK}, "warmup_density"),
+        ({"density": 0.25 + 0.25 * RANK}, "options"),
+        ({"algorithm": "spardl" if RANK == 0 else "topka"}, "algorithm"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["reducer", "hook"])
+def test_options_that_differ_across_ranks_fail_at_construction(comm, kind, options, named):
+    model = _model()
+
+    def build():
+        if kind == "reducer":
+            return st.SparseGradientReducer(model.parameters(), comm, **options)
+        return st.SparseHookState(comm, model=model, **options)
+
+    if P == 1:
+        build()
+        return
+    with pytest.raises(ValueError, match=f"ranks disagree on .*{named}"):
+        build()
+
+
+def test_parameter_layouts_that_differ_across_ranks_fail_at_construction(comm):
+    params = list(_model().parameters())
+    mine = params if RANK == 0 else params[:1]
+    if P == 1:
+        st.SparseGradientReducer(mine, comm)
+        return
+    with pytest.raises(ValueError, match="ranks disagree on parameters"):
+        st.SparseGradientReducer(mine, comm)
+
+
+def _bad_on_last_rank(good):
+    return good if RANK != P - 1 else {"algorithm": good["algorithm"]}
+
+
+def test_allreducer_load_failing_on_one_rank_raises_everywhere_state_unchanged(comm):
+    ar = spardl.make("spardl", comm, 20, density=0.2)
+    ar(np.random.default_rng(RANK).standard_normal(20))
+    saved = ar.state_dict()
+    ar(np.random.default_rng(RANK + 9).standard_normal(20))
+    before = ar.state_dict()
+    with pytest.raises(ValueError, match="missing key"):
+        ar.load_state_dict(_bad_on_last_rank(saved))
+    after = ar.state_dict()
+    assert (after["step"], after["calls"]) == (before["step"], before["calls"])
+    np.testing.assert_array_equal(after["residual"], before["residual"])
+    out = ar(np.ones(20))  # every rank still in step: no "ranks disagree on call number"
+    assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
+
+
+@pytest.mark.parametrize("bad", [None, {}])
+def test_allreducer_load_of_non_state_names_state(comm, bad):
+    ar = spardl.make("topka", comm, 10)
+    with pytest.raises(TypeError if bad is None else ValueError, match="state"):
+        ar.load_state_dict(bad)
+
+
+def test_reducer_load_failing_on_one_rank_raises_everywhere_state_unchanged(comm):
+    model = _model()
+    red = st.SparseGradientReducer(model.parameters(), comm, density=0.5)
+
+    def step(seed):
+        model.zero_grad()
+        torch.manual_seed(seed + RANK)
+        model(torch.randn(3, 8)).sum().backward()
+        return red.reduce()
+
+    step(0)
+    saved = red.state_dict()
+    step(1)
+    before = red.state_dict()
+    for bad in (None, _bad_on_last_rank(saved)):
+        with pytest.raises((TypeError, ValueError), match="state"):
+            red.load_state_dict(bad)
+    after = red.state_dict()
+    assert after["step"] == before["step"] == 2
+    for k, v in before["allreducer"].items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(after["allreducer"][k], v), k
+    out = step(2)
+    assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
