@@ -255,8 +255,9 @@ def _validate_options(
     ctl: Comm, algorithm, options: dict, err=None, hook=False, agreed=None
 ) -> None:
     """Collective: every rank raises the same error if any rank's algorithm or options are bad,
-    or if the ranks' algorithm, options (names and values) or ``agreed`` (the reducer's own
-    settings: ``warmup_steps``, the DGC techniques, the parameter layout) differ.
+    or if the ranks' algorithm, option names or ``agreed`` (the reducer's own settings:
+    ``warmup_steps``, the DGC techniques, the parameter layout) differ. The options' values are
+    agreed by :func:`spardl.make` (its own cross-rank check), after their local checks.
 
     Unknown options are named with the full list of accepted ones (common and the algorithm's
     own). For the hook (whose n is known only at its first call) the values are then checked by
@@ -279,7 +280,7 @@ def _validate_options(
             )
     described = {
         "algorithm": repr(algorithm),
-        "options": repr(sorted((k, _plain(v)) for k, v in options.items())),
+        "options": repr(sorted(options)),  # their values: make's own checks and agreement
         **{k: _plain(v) for k, v in (agreed or {}).items()},
     }
     collective_check(ctl, err, [name_hash(repr(sorted(described.items())))], described)

@@ -34,7 +34,7 @@ def _model():
         ({"clip_norm": 1.0 + RANK}, "clip_norm"),
         ({"density_warmup": RANK + 1}, "density_warmup"),
         ({"density_warmup": 3, "warmup_density": 0.25 + 0.1 * RANK}, "warmup_density"),
-        ({"density": 0.25 + 0.25 * RANK}, "options"),
+        ({"density": 0.25 + 0.25 * RANK}, "density"),
         ({"algorithm": "spardl" if RANK == 0 else "topka"}, "algorithm"),
     ],
 )
@@ -114,3 +114,30 @@ def test_reducer_load_failing_on_one_rank_raises_everywhere_state_unchanged(comm
             assert torch.equal(after["allreducer"][k], v), k
     out = step(2)
     assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
+
+
+@pytest.mark.parametrize(
+    ("grad", "message"),
+    [
+        (None, "grad must be a 1-D float array, got NoneType"),
+        (3.0, "grad must be a 1-D float array, got float"),
+        (torch.ones(10, requires_grad=True), r"requires grad: pass grad.detach\(\)"),
+    ],
+)
+def test_grad_of_the_wrong_type_is_a_type_error(comm, grad, message):
+    ar = spardl.make("topka", comm, 10)
+    with pytest.raises(TypeError, match=message):
+        ar(grad)
+
+
+@pytest.mark.parametrize(
+    ("params", "error", "message"),
+    [
+        (lambda m: torch.ones(3), TypeError, "got a single Tensor"),
+        (lambda m: [], ValueError, "no parameter with requires_grad"),
+        (lambda m: list(m.parameters()) * 2, ValueError, "the same parameter twice"),
+    ],
+)
+def test_bad_params_name_params(comm, params, error, message):
+    with pytest.raises(error, match=message):
+        st.SparseGradientReducer(params(_model()), comm)
