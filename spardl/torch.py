@@ -847,11 +847,18 @@ class SparseHookState:
         estimates (Ok-Topk's thresholds and regions, SparDL's budget h, selector state) are
         re-estimated from scratch.
 
+        Collective (every rank calls it, with its own rank's state), and all or nothing: a
+        state that is bad on any rank raises on every rank, and every rank's state stays as it
+        was. The state applied at the first sparse iteration is agreed the same way.
+
         Raises
         ------
+        TypeError
+            On every rank, if some rank's ``state`` is not a dict.
         ValueError
-            If the state was saved with another algorithm or world size (at once), or holds
-            residuals of parameters this model does not reduce (when applied).
+            On every rank, if some rank's state misses a key, was saved with another algorithm or
+            world size (at once), or holds residuals of parameters this model does not reduce
+            (when applied).
         """
         self._core.load_state_dict(state)
 
@@ -1247,11 +1254,18 @@ class SparseGradientReducer:
         same parameters; with others, each parameter's residual follows its key and the
         algorithm's own estimates start afresh).
 
+        Collective (every rank calls it, with its own rank's state), and all or nothing: a
+        state that is bad on any rank raises on every rank, and every rank's state (step,
+        counters, velocities, the allreducer's state) stays as it was.
+
         Raises
         ------
+        TypeError
+            On every rank, if some rank's ``state`` is not a dict.
         ValueError
-            If the state was saved with another algorithm or world size, or holds residuals of
-            parameters this reducer does not have (or of another size).
+            On every rank, if some rank's state misses a key, was saved with another algorithm
+            or world size, or holds residuals of parameters this reducer does not have (or of
+            another size).
         """
         self._core.load_state_dict(state)
 

@@ -337,6 +337,7 @@ def _check_args(args, P: int) -> None:
     if args.task == "lm":
         if args.width % args.heads:
             raise UsageError(f"--heads must divide --width={args.width}, got {args.heads}")
+        _check_lm_sizes(args, P)
         stop = args.stop_after
         if stop is not None and (
             stop > args.steps or (stop % args.eval_every and stop != args.steps)
@@ -345,6 +346,10 @@ def _check_args(args, P: int) -> None:
                 f"--stop-after must be a multiple of --eval-every={args.eval_every} (or "
                 f"--steps) in [1, --steps={args.steps}], got {stop}"
             )
+    if getattr(args, "warmup_density", None) is not None and not getattr(
+        args, "density_warmup", None
+    ):
+        raise UsageError("--warmup-density applies with --density-warmup only")
     for name, default in _DGC_DEFAULTS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, default)
@@ -360,6 +365,113 @@ def _check_args(args, P: int) -> None:
         raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
     if args.algorithm == "spardl" and P % args.teams:
         raise UsageError(f"--teams must divide the number of ranks P={P}, got {args.teams}")
+
+
+#: ``--task lm``'s memory bounds: characters per step and rank (--batch-size × --context: the
+#: activations, about 4·width bytes per character and layer) and attention scores per step, head
+#: and layer (--batch-size × --context², 4 bytes each: at most 1 GiB).
+LM_MAX_CHARS = 2**20
+LM_MAX_SCORES = 2**28
+
+
+def _check_lm_sizes(args, P: int) -> None:
+    """--context and --batch-size of ``--task lm`` within the text and a sane memory bound."""
+    from . import lm
+
+    train_text, val_text, _, _ = lm.load_split(args.seed, lm.DEFAULTS["val_fraction"])
+    shortest = min(len(train_text) // P, len(val_text))
+    if args.context > shortest - 1:
+        raise UsageError(
+            f"--context must be at most {shortest - 1} (the shortest text a window is drawn "
+            f"from, this rank's training shard or the validation text, minus 1), "
+            f"got {args.context}"
+        )
+    if args.batch_size * args.context > LM_MAX_CHARS:
+        raise UsageError(
+            f"--batch-size × --context must be at most {LM_MAX_CHARS} characters per step, "
+            f"got {args.batch_size} × {args.context}"
+        )
+    if args.batch_size * args.context**2 > LM_MAX_SCORES:
+        raise UsageError(
+            f"--batch-size × --context² must be at most {LM_MAX_SCORES} attention scores "
+            f"(1 GiB per head and layer), got {args.batch_size} × {args.context}²"
+        )
+
+
+#: The options that define a run: a --resume must repeat the checkpoint's (world size too).
+RUN_OPTIONS = (
+    "task",
+    "algorithm",
+    "density",
+    "teams",
+    "residual",
+    "hook",
+    "epochs",
+    "steps",
+    "eval_every",
+    "batch_size",
+    "lr",
+    "momentum",
+    "width",
+    "layers",
+    "heads",
+    "context",
+    "seed",
+    "warmup_steps",
+    "momentum_correction",
+    "no_factor_masking",
+    "clip_norm",
+    "density_warmup",
+    "warmup_density",
+)
+
+
+def _run_options(args, P: int) -> dict:
+    """The options of :data:`RUN_OPTIONS` (after the defaults are filled in) and the world size."""
+    opts = {"world_size": P, **{k: getattr(args, k, None) for k in RUN_OPTIONS}}
+    if not opts["density_warmup"]:
+        opts["warmup_density"] = None
+    return opts
+
+
+def _describe(key: str, value) -> str:
+    return f"P={value}" if key == "world_size" else f"{_option(key)} {value}"
+
+
+def _check_resume(args, job):
+    """Collective: this rank's ``--resume`` checkpoint, loaded; UsageError on every rank if any
+    rank's checkpoint cannot be read or was saved with other run options (:data:`RUN_OPTIONS`,
+    the world size; a checkpoint of an older spardl without them: world size, algorithm and
+    task). Returns None without ``--resume``."""
+    if args.resume is None:
+        return None
+    import torch
+
+    problem, ck = None, None
+    try:
+        ck = torch.load(_ckpt_path(args.resume, job.rank), weights_only=False)
+        mine = _run_options(args, job.size)
+        theirs = ck.get("options") or {
+            "world_size": ck.get("world_size"),
+            "algorithm": ck.get("algorithm"),
+            "task": ck.get("task", "digits"),
+        }
+        diff = [k for k in mine if k in theirs and theirs[k] != mine[k]]
+        if diff:
+            problem = (
+                "--resume: the checkpoint was saved with "
+                + ", ".join(_describe(k, theirs[k]) for k in diff)
+                + "; this run has "
+                + ", ".join(_describe(k, mine[k]) for k in diff)
+            )
+    except Exception as e:  # noqa: BLE001 - an unreadable checkpoint is reported on every rank
+        problem = f"--resume: cannot read {_ckpt_path(args.resume, job.rank)} ({e})"
+    problems = job.allgather_object(problem)
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if bad:
+        r, p = bad[0]
+        raise UsageError(f"{p} (rank {r}" + (f" and {len(bad) - 1} more)" if len(bad) > 1 else ")"))
+    return ck
 
 
 def _check_paths(args, job) -> None:
@@ -516,6 +628,7 @@ class _Trainer:
             "world_size": self.P,
             "rank": self.rank,
             "algorithm": args.algorithm,
+            "options": _run_options(args, self.P),
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),
             "reducer": (self.reducer if self.reducer is not None else self.hook_state).state_dict(),
@@ -615,11 +728,14 @@ def run(args, world) -> dict | None:
     UsageError
         A subclass of ValueError, on every rank before training: an option out of range or of
         the other task, ``--teams`` not dividing P, ``--heads`` not dividing ``--width``, or
-        (checked collectively) a ``--resume`` checkpoint missing on some rank or an ``--out`` /
-        ``--checkpoint`` directory that cannot be made.
+        (checked collectively) a ``--resume`` checkpoint missing or unreadable on some rank or
+        saved with other run options (:data:`RUN_OPTIONS`, the world size), an ``--out`` /
+        ``--checkpoint`` directory that cannot be made; with ``--task lm``, a ``--context``
+        longer than the shortest text a window is drawn from minus 1, or over the memory bounds
+        :data:`LM_MAX_CHARS` (--batch-size × --context) and :data:`LM_MAX_SCORES`
+        (--batch-size × --context²).
     ValueError, TypeError
-        The allreducer's own checks, on every rank; a ``--resume`` checkpoint of another
-        configuration.
+        The allreducer's own checks, on every rank.
     """
     import torch
 
@@ -634,6 +750,7 @@ def run(args, world) -> dict | None:
     job = Comm(world)  # the job's own small collectives, kept out of the allreducer's counters
     rank, P = job.rank, job.size
     _check_paths(args, job)
+    resumed_ck = _check_resume(args, job)
 
     if args.task == "lm":
         from . import lm
@@ -652,7 +769,7 @@ def run(args, world) -> dict | None:
         factor_masking=not args.no_factor_masking,
         clip_norm=args.clip_norm,
         density_warmup=args.density_warmup,
-        warmup_density=args.warmup_density,
+        warmup_density=args.warmup_density if args.density_warmup else None,
     )
     # Momentum correction moves the momentum into the velocity the allreduce sparsifies: the
     # optimizer then runs without it (arXiv 1712.01887 §3.2).
@@ -686,14 +803,7 @@ def run(args, world) -> dict | None:
 
     resumed = None
     if args.resume is not None:
-        ck = torch.load(_ckpt_path(args.resume, rank), weights_only=False)  # exists: _check_paths
-        mine = (P, args.algorithm, args.task)
-        theirs = (ck["world_size"], ck["algorithm"], ck.get("task", "digits"))
-        if theirs != mine:
-            raise ValueError(
-                f"--resume: checkpoint is for P={theirs[0]}, {theirs[1]}, --task {theirs[2]}; "
-                f"this run has P={P}, {args.algorithm}, --task {args.task}"
-            )
+        ck = resumed_ck  # loaded and checked against this run's options by _check_resume
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         (reducer if reducer is not None else hook_state).load_state_dict(ck["reducer"])

@@ -239,6 +239,7 @@ def test_dgc_techniques_are_recorded_and_checkpointed(runs):
     ("option", "message"),
     [
         (["--no-factor-masking"], "--no-factor-masking applies with --momentum-correction only"),
+        (["--warmup-density", "0.3"], "--warmup-density applies with --density-warmup only"),
         (
             ["--density-warmup", "5", "--warmup-density", "0.001"],
             "--warmup-density must be >= --density=0.01",
@@ -258,3 +259,43 @@ def test_bad_dgc_options_are_usage_errors(option, message):
     _resolve_task(args)
     with pytest.raises(UsageError, match=message):
         _check_args(args, 2)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--context", "100000"], "--context must be at most"),
+        (["--batch-size", "100000"], "--batch-size × --context must be at most 1048576"),
+        (["--context", "8192"], "--batch-size × --context² must be at most 268435456"),
+    ],
+)
+def test_lm_sizes_are_bounded_usage_errors(option, message):
+    """--task lm: a window must fit in the shortest text, and a step in a sane memory bound."""
+    from spardl.cli import build_parser
+    from spardl.train import UsageError, _check_args, _resolve_task
+
+    args = build_parser().parse_args(["train", "--task", "lm", *option])
+    _resolve_task(args)
+    with pytest.raises(UsageError, match=message.replace("×", ".").replace("²", ".")):
+        _check_args(args, 2)
+
+
+@pytest.mark.parametrize(
+    ("P", "option", "message"),
+    [
+        (2, ["--density", "0.5"], "saved with --density 0.01; this run has --density 0.5"),
+        (2, ["--hook", "ddp"], "saved with --hook reducer; this run has --hook ddp"),
+        (2, ["--algorithm", "topka"], "saved with --algorithm spardl"),
+        (1, [], "saved with P=2; this run has P=1"),
+    ],
+)
+def test_resume_with_other_run_options_is_a_usage_error(one_epoch, runs, P, option, message):
+    """Every option that changes the run must be the checkpoint's: else one line, status 2,
+    before training (nothing silently taken from the checkpoint, nothing misrecorded)."""
+    args = [*COMMON, "--epochs", "2", "--resume", str(runs / "ck1"), "--out", str(runs / "x")]
+    proc = run_mpi(P, [*args, *option], timeout=120, env=ENV, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "epoch" not in proc.stdout
+    assert not (runs / "x" / "metrics.json").exists()
