@@ -112,12 +112,14 @@ def cast(x, dtype, copy: bool = True):
     return device_ops().cast(x, dtype) if is_device(x) else x.astype(dtype, copy=True)
 
 
-def accumulate(g, e):
-    """X = g + e in e's dtype, as a new array (g is converted exactly, then added): the same bits
-    as ``add_into(cast(g, e.dtype), e)``, in one pass over host memory instead of two."""
+def accumulate(g, e, out=None):
+    """X = g + e in e's dtype (g is converted exactly, then added): the same bits as
+    ``add_into(cast(g, e.dtype), e)``, in one pass over host memory instead of two. Written
+    into ``out`` (a host array of e's shape and dtype, not e itself) when given, else into a new
+    array; ``out`` is ignored for device arrays."""
     if is_device(g):
         return device_ops().add_into(device_ops().cast(g, e.dtype), e)
-    return np.add(g, e, dtype=e.dtype)
+    return np.add(g, e, out=out, dtype=e.dtype)
 
 
 def add_into(x, y):
