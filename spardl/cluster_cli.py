@@ -19,26 +19,25 @@ from pathlib import Path
 __all__ = ["add_cluster", "rate_type", "time_type"]
 
 
-def rate_type(text: str) -> str:
-    """argparse ``type=`` for a link rate in ``tc`` syntax (checked, kept as text)."""
-    from .cluster import parse_rate
+def _checked_text(parse_name: str, text: str) -> str:
+    """``text`` if :mod:`spardl.cluster`'s ``parse_name`` accepts it, else argparse's error."""
+    from . import cluster
 
     try:
-        parse_rate(text)
+        getattr(cluster, parse_name)(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def rate_type(text: str) -> str:
+    """argparse ``type=`` for a link rate in ``tc`` syntax (checked, kept as text)."""
+    return _checked_text("parse_rate", text)
 
 
 def time_type(text: str) -> str:
     """argparse ``type=`` for a time in ``tc`` syntax (checked, kept as text)."""
-    from .cluster import parse_time
-
-    try:
-        parse_time(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _checked_text("parse_time", text)
 
 
 def _nodes_type(text: str) -> int:

@@ -447,16 +447,7 @@ class Allreducer:
         stats = self.comm.stats
         self.comm.next_step()
         if self.nonfinite != "propagate" and not A.all_finite(red.values):
-            if self.nonfinite == "raise":
-                raise NonFiniteError(
-                    f"{self.name}: the reduced gradient holds NaN or Inf at step {self.step}; "
-                    "the step was not applied (the allreducer's state is unchanged)"
-                )
-            stats["skipped_steps"] += 1
-            empty = SparseResult(
-                A.empty(0, np.int64, device), A.empty(0, self._dtype, device), self.n
-            )
-            return empty, False
+            return self._not_applied(device), False
         if self.residual_mode != "none":
             self._residual = red.residual
         # The buffer no longer in use, for the next step's X (taken only if nothing refers to it
@@ -473,6 +464,18 @@ class Allreducer:
             values = A.cast(values, self._dtype, copy=False)
         indices, values = _without_zeros(red.indices, values)
         return SparseResult(indices, values, self.n), True
+
+    def _not_applied(self, device) -> SparseResult:
+        """A reduced gradient with NaN or Inf: raise :class:`NonFiniteError` (``"raise"``) or
+        count the skipped step and return the empty result (``"skip"``). Every rank sees the same
+        sums, so every rank takes the same branch."""
+        if self.nonfinite == "raise":
+            raise NonFiniteError(
+                f"{self.name}: the reduced gradient holds NaN or Inf at step {self.step}; "
+                "the step was not applied (the allreducer's state is unchanged)"
+            )
+        self.comm.stats["skipped_steps"] += 1
+        return SparseResult(A.empty(0, np.int64, device), A.empty(0, self._dtype, device), self.n)
 
     def _round_keeping_remainder(self, indices, sums):
         """The output in the gradient's dtype (float16) from the work-dtype (float32) sums; the

@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import _arrays as A
 from ..result import SparseResult
-from .base import Allreducer, NonFiniteError, _work_dtype
+from .base import Allreducer, _work_dtype
 
 
 @numba.njit(cache=True, nogil=True)
@@ -129,16 +129,7 @@ class Dense(Allreducer):
         else:
             finite = None if self.nonfinite == "propagate" else _count_nonfinite(total) == 0
         if self.nonfinite != "propagate" and not finite:
-            if self.nonfinite == "raise":
-                raise NonFiniteError(
-                    f"{self.name}: the reduced gradient holds NaN or Inf at step {self.step}; "
-                    "the step was not applied (the allreducer's state is unchanged)"
-                )
-            stats["skipped_steps"] += 1
-            empty = SparseResult(
-                A.empty(0, np.int64, device), A.empty(0, self._dtype, device), self.n
-            )
-            return empty, False
+            return self._not_applied(device), False
         self.step += 1
         stats["steps"] += 1
         return SparseResult.from_dense(self._in_grad_dtype(total, finite)), True
