@@ -192,6 +192,39 @@ def _sample_window(bits, k, mask, nan_key, s, sigmas):
     return lo, hi, cap
 
 
+@njit(inline="always", **JIT)
+def _hit_mask(part, s, stop, K_t, mask_t):
+    """Bit l of the result is set iff key(part[s + l]) >= K, for s + l in [s, min(s + 64, stop)).
+
+    A full block is 64 independent compares OR-ed into one word, which LLVM's loop vectoriser
+    turns into a few vector compares (a compare-and-branch per element, or an ``any`` of 16,
+    stays scalar: Numba leaves the SLP vectoriser off), so a block without a hit costs one test
+    of the word. No NaN clamp is needed: a NaN's key is above every K <= nan_key.
+    """
+    if s + 64 <= stop:
+        return _hit_mask64(part, s, K_t, mask_t)
+    m = np.uint64(0)
+    for l in range(stop - s):
+        m |= np.uint64((part[s + l] & mask_t) >= K_t) << np.uint64(l)
+    return m
+
+
+@njit(inline="always", **JIT)
+def _hit_mask64(part, s, K_t, mask_t):
+    m = np.uint64(0)
+    for l in range(64):
+        m |= np.uint64((part[s + l] & mask_t) >= K_t) << np.uint64(l)
+    return m
+
+
+@njit(inline="always", **JIT)
+def _low_bit(m):
+    """(position of the lowest set bit of the non-zero uint64 m, m with that bit cleared)."""
+    low = m & (~m + np.uint64(1))
+    # a power of two converts to float64 exactly, and its exponent is the bit's position
+    return np.int64(np.float64(low).view(np.int64) >> 52) - 1023, m ^ low
+
+
 @njit(**JIT)
 def _window_pass(bits, k, mask, nan_key, lo, hi, cap):
     """One pass over x: indices with key > hi ("definite"), and (index, key) with lo <= key <= hi
@@ -202,28 +235,23 @@ def _window_pass(bits, k, mask, nan_key, lo, hi, cap):
     definite = np.empty(k, np.int64)
     cand_idx = np.empty(cap, np.int64)
     cand_key = np.empty(cap, np.int64)
-    # the block test runs in x's own integer width, so it vectorises over 16 lanes
     mask_t = bits.dtype.type(mask)
     lo_t = bits.dtype.type(lo)
     j = 0
     c = 0
-    nb = n - n % 16
-    for b in range(0, nb + 16, 16):
-        if b < nb:
-            # most blocks of 16 hold no key >= lo: one vector compare skips them
-            hit = False
-            for l in range(16):
-                hit |= (bits[b + l] & mask_t) >= lo_t
-            if not hit:
-                continue
-        for i in range(b, min(b + 16, n)):
+    for b in range((n + 63) // 64):
+        s = b * 64
+        m = _hit_mask(bits, s, n, lo_t, mask_t)
+        while m:
+            l, m = _low_bit(m)
+            i = s + l
             key = _key(bits[i], mask, nan_key)
             if key > hi:
                 if j == k:
                     return False, j, definite, c, cand_idx, cand_key
                 definite[j] = i
                 j += 1
-            elif key >= lo:
+            else:
                 if c == cap:
                     return False, j, definite, c, cand_idx, cand_key
                 cand_idx[c] = i
@@ -307,42 +335,21 @@ def _small_topk(bits, k, mask, nan_key, out_idx, out_bits):
 def _compact_range(bits, start, stop, K_t, mask_t, idx, vals, j):
     """Append (i, bits[i]) for every i in [start, stop) with key(x_i) >= K to idx[j:], vals[j:].
 
-    Returns the new j. The store is branch-free (every position of a block with a hit is written
-    at idx[j] and j advances on hits only), so one slot past the last hit may be written: idx and
-    vals need room for count + 1 entries from j.
+    Returns the new j; idx and vals need room for the count from j (callers keep one slot
+    more).
     """
     # Index a slice from 0: loop indices are then provably >= 0 and Numba drops its
     # negative-index wraparound test.
     part = bits[start:stop]
     m = part.shape[0]
-    mg = m - m % 128
-    for g in range(0, mg, 128):
-        # Groups of 128 without a hit (91 % at density 1 % on real gradients) are skipped after
-        # a vectorised count. Numba leaves LLVM's SLP vectoriser off, so a per-16 test
-        # (any(...) of 16 compares) compiles to 16 scalar compare-and-branch steps; a counting
-        # loop over 128 goes through the loop vectoriser instead.
-        group = part[g : g + 128]
-        c = 0
-        for i in range(128):
-            c += (group[i] & mask_t) >= K_t
-        if c == 0:
-            continue
-        for b in range(0, 128, 16):
-            hit = False
-            for l in range(16):
-                hit |= (group[b + l] & mask_t) >= K_t
-            if hit:
-                for l in range(16):
-                    # if key(x_i) >= K: idx[j], vals[j] = i, x_i; j += 1
-                    v = group[b + l]
-                    idx[j] = start + g + b + l
-                    vals[j] = v
-                    j += (v & mask_t) >= K_t
-    for i in range(mg, m):
-        v = part[i]
-        idx[j] = start + i
-        vals[j] = v
-        j += (v & mask_t) >= K_t
+    for b in range((m + 63) // 64):
+        s = b * 64
+        hits = _hit_mask(part, s, m, K_t, mask_t)
+        while hits:
+            l, hits = _low_bit(hits)
+            idx[j] = start + s + l
+            vals[j] = part[s + l]
+            j += 1
     return j
 
 
