@@ -3,7 +3,7 @@
 Every per-step buffer of an allreducer (X = g + E_old, partial sums, the residual, selections)
 is either a NumPy array or, for GPU gradients, a Numba device array; these functions take either
 and return the same kind, so an algorithm reads the same for both. Host arrays run NumPy; device
-arrays run the small ``@cuda.jit`` kernels of :mod:`spardl_kernels.cuda._layer` (imported only
+arrays run the small ``@cuda.jit`` kernels of :mod:`spardl_kernels.cuda.arrays` (imported only
 when a device array is seen, so CPU-only use never imports ``numba.cuda``). Results are bit for
 bit equal on both sides (plain IEEE operations in the same order). Small host-side metadata
 (counts, bounds, schedules) stays NumPy and does not come here.
@@ -11,11 +11,9 @@ bit equal on both sides (plain IEEE operations in the same order). Small host-si
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 
-from spardl_kernels._dispatch import is_device_array
+from spardl_kernels.devices import cuda_backend, is_device_array
 
 __all__ = [
     "is_device",
@@ -52,10 +50,10 @@ def is_device(x) -> bool:
 
 def device_ops():
     """The device implementation module (imports ``numba.cuda``); RuntimeError without CUDA."""
-    from spardl_kernels._dispatch import _cuda_module
+    cuda_backend()  # the clear "no CUDA" error, if any
+    from spardl_kernels.cuda import arrays
 
-    _cuda_module()  # the clear "no CUDA" error, if any
-    return importlib.import_module("spardl_kernels.cuda._layer")
+    return arrays
 
 
 def view(x):

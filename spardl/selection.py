@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 import spardl_kernels as K
-from spardl_kernels._dispatch import is_device_array
+from spardl_kernels.devices import is_device_array
 
 __all__ = ["Selector", "ExactSelector", "ThresholdSelector", "make_selector", "SELECTORS"]
 

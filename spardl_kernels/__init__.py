@@ -5,7 +5,8 @@ Twelve functions on 1-D arrays: selection by magnitude (``topk_abs``, ``kth_larg
 (``merge_add``, ``coalesce``, ``scatter_add``, ``gather``) and block boundaries
 (``uniform_bounds``, ``balanced_bounds``, ``block_offsets``). CPU arrays (NumPy, or anything NumPy
 views without copying) run the Numba kernels of :mod:`spardl_kernels.cpu`; GPU arrays
-(``__cuda_array_interface__``) run their twins in :mod:`spardl_kernels.cuda`. Tunables live in
+(``__cuda_array_interface__``) run their twins in :mod:`spardl_kernels.cuda`
+(:mod:`spardl_kernels.devices` says which arrays those are). Tunables live in
 :mod:`spardl_kernels.config`.
 """
 

@@ -1,11 +1,11 @@
-"""Helpers shared by the CPU kernel modules: array coercion, the |x| key mapping and threads."""
+"""Helpers shared by the CPU kernel modules: array coercion, key views and threads."""
 
 import contextlib
 
 import numba
 import numpy as np
 
-from .. import _validate, config
+from .. import _contract, _validate, config
 
 # Compiled workers: cached on disk (first call compiles once per signature) and free of the
 # GIL, so callers can run kernels from several threads.
@@ -14,15 +14,6 @@ JIT = {"cache": True, "nogil": True}
 # own output range and the parts are joined in a fixed order, so results do not depend on the
 # thread count. They are only called for large inputs with more than one thread allowed.
 JIT_PARALLEL = {"cache": True, "nogil": True, "parallel": True}
-
-# dtype name -> (signed integer view of the same width, mask clearing the sign bit, key of +inf).
-# Key of |x| = (bits & mask), every NaN clamped to inf_key + 1: positive IEEE floats order
-# like their bit patterns, so keys order like |x| with NaN above +inf and -0.0 == 0.0.
-KEY_INFO = {
-    "float16": (np.dtype(np.int16), 0x7FFF, 0x7C00),
-    "float32": (np.dtype(np.int32), 0x7FFFFFFF, 0x7F800000),
-    "float64": (np.dtype(np.int64), 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
-}
 
 
 def as_array(x, name="x"):
@@ -65,9 +56,10 @@ def as_indices(name, x):
 
 
 def key_view(x):
-    """(signed-int view of x's bits, mask, inf_key, nan_key) for a checked value array."""
-    view_dtype, mask, inf_key = KEY_INFO[x.dtype.name]
-    return x.view(view_dtype), mask, inf_key, inf_key + 1
+    """(signed-int view of x's bits, mask, inf_key, nan_key) for a checked value array
+    (``_contract.KEY_INFO``)."""
+    view_dtype, mask, inf_key, nan_key = _contract.key_info(x.dtype)
+    return x.view(view_dtype), mask, inf_key, nan_key
 
 
 def cpu_threads(size, min_size):

@@ -10,7 +10,7 @@ unmatched entries of a merge) move bit patterns, so -0.0 and NaN payloads surviv
 import numpy as np
 from numba import njit, prange
 
-from .. import _validate, config
+from .. import _contract, _validate, config
 from ._common import JIT, JIT_PARALLEL, as_indices, as_values, cpu_threads, numba_threads
 
 # ---------------------------------------------------------------------------------------------
@@ -591,7 +591,7 @@ def gather(dense, indices):
     dense = as_values("dense", dense)
     indices = as_indices("indices", indices)
     n = dense.shape[0]
-    view = dense.view(_BITS[dense.dtype.name])
+    view = dense.view(_contract.BITS[dense.dtype.name])
     out = np.empty(indices.shape[0], view.dtype)
     ok = True
     if indices.shape[0] > 0:
@@ -599,6 +599,3 @@ def gather(dense, indices):
         ok = _gather(view, indices, out)
     _validate.require(ok, "indices", f"every index must lie in [0, n = {n})")
     return out.view(dense.dtype)
-
-
-_BITS = {"float16": np.int16, "float32": np.int32, "float64": np.int64}

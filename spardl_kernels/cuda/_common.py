@@ -11,30 +11,15 @@ import functools
 import numpy as np
 from numba import cuda, int64
 
-from .. import _validate, config
+from .. import _contract, _validate, config
+from .._contract import numba_device_array_types
 from ._device import _gpu_block_exclusive_scan
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 INT64_MIN = int(np.iinfo(np.int64).min)
-# Bits-of-the-same-width views: values are moved as bit patterns (-0.0 and NaN payloads kept).
-BITS = {"float16": np.dtype(np.int16), "float32": np.dtype(np.int32), "float64": np.dtype(np.int64)}
-
-
-def _device_array_types():
-    types = []
-    for path, name in (
-        ("numba.cuda.cudadrv.devicearray", "DeviceNDArray"),
-        ("numba.cuda.simulator.cudadrv.devicearray", "FakeCUDAArray"),
-    ):
-        try:
-            module = __import__(path, fromlist=[name])
-            types.append(getattr(module, name))
-        except (ImportError, AttributeError):
-            continue
-    return tuple(types)
-
-
-_DEVICE_TYPES = _device_array_types()
+# Values are moved as the integers of the same width (-0.0 and NaN payloads kept).
+BITS = _contract.BITS
+_DEVICE_TYPES = numba_device_array_types()
 
 
 def is_numba_device_array(x):

@@ -8,12 +8,13 @@ therefore written in 32-bit limbs that never overflow, and gives the same bits o
 import numpy as np
 from numba import cuda, float32, int64, uint64
 
+from .._contract import SPLITMIX64_GOLDEN as _GOLDEN
+from .._contract import SPLITMIX64_MIX1 as _MIX1
+from .._contract import SPLITMIX64_MIX2 as _MIX2
+
 _M32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 _U1 = np.uint64(1)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
@@ -24,7 +25,7 @@ def _gpu_key(b, mask, nan_key):
     """Key of |x| from the bits b of x: sign bit cleared, every NaN clamped to nan_key.
 
     Positive IEEE floats order like their bit patterns, so keys order like |x| under the
-    contract's total order (NaN above +inf, -0.0 == 0.0), as in ``cpu._common.KEY_INFO``.
+    contract's total order (NaN above +inf, -0.0 == 0.0), as in ``_contract.KEY_INFO``.
     """
     return min(int64(b) & mask, nan_key)
 

@@ -1,6 +1,8 @@
-"""Private device helpers for the collective layer (``spardl._arrays``), not kernels of the
-contract: the few elementwise operations an allreducer does on its per-step buffers besides the
-twelve kernels (X = g + E, setting and zeroing positions, index shifts, casts, packing).
+"""Device array operations besides the twelve kernels, for code built on them (``spardl``'s
+collective layer, through ``spardl._arrays``): the few elementwise operations an allreducer does
+on its per-step buffers (X = g + E, setting and zeroing positions, index shifts, casts, packing).
+They are not kernels of the contract and have no CPU twin here: on the host they are one NumPy
+expression each.
 
 Every function takes and returns Numba device arrays (or objects exposing
 ``__cuda_array_interface__``, wrapped zero-copy) and runs on the GPU or the CUDA simulator.

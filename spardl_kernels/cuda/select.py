@@ -24,19 +24,11 @@ import numpy as np
 from numba import cuda, int8, int32, int64
 
 from .. import _validate, config
-from ..cpu._common import KEY_INFO
-from ..cpu.select import _key_to_value, _threshold_key
+from .._contract import KEY_BITS, key_info, key_to_value, threshold_key
 from . import _common as C
 from ._device import _gpu_block_exclusive_scan, _gpu_key, _gpu_splitmix64
 
-# Key width in bits (sign bit excluded) per value dtype.
-_KEY_BITS = {"float16": 15, "float32": 31, "float64": 63}
 _M32 = 0xFFFFFFFF
-
-
-def _key_info(dtype):
-    view_dtype, mask, inf_key = KEY_INFO[np.dtype(dtype).name]
-    return view_dtype, mask, inf_key, inf_key + 1
 
 
 def _digit_widths(key_bits, radix_bits):
@@ -218,14 +210,14 @@ def _sample(bits, seed, out):
 def _radix_state(bits, k, dtype):
     """Device state ``[T, ties]`` after the radix passes: T = the k-th largest key
     (1 <= k <= n), ties = how many keys == T belong to the top k (the lowest-index ones)."""
-    _, mask, _, nan_key = _key_info(dtype)
+    _, mask, _, nan_key = key_info(dtype)
     radix_bits = int(config.CUDA_RADIX_BITS)
     threads = int(config.CUDA_HIST_THREADS_PER_BLOCK)
     histogram, pick = _radix_kernels(threads, 1 << radix_bits)
     state = cuda.to_device(np.array([0, k], np.int64))
     hist = cuda.to_device(np.zeros(1 << radix_bits, np.int64))
     blocks = C.blocks_for(bits.shape[0], threads)
-    shift = _KEY_BITS[np.dtype(dtype).name]
+    shift = KEY_BITS[np.dtype(dtype).name]
     for width in _digit_widths(shift, radix_bits):
         shift -= width
         histogram[blocks, threads](bits, mask, nan_key, state, shift, width, hist)
@@ -236,7 +228,7 @@ def _radix_state(bits, k, dtype):
 def _compact(bits, dtype, state, index_dtype, m=None):
     """Every index with key > state[0] plus the first state[1] with key == state[0], ascending,
     and their bits. ``m`` is the output length when known (top-k); otherwise it is read back."""
-    _, mask, _, nan_key = _key_info(dtype)
+    _, mask, _, nan_key = key_info(dtype)
     count_tiles, write_tiles, TILE = _compact_kernels(C.tpb(), C.items())
     n = bits.shape[0]
     ntiles = max(1, -(-n // TILE))
@@ -342,9 +334,8 @@ def kth_largest_abs(x, k):
     x = C.as_values("x", x)
     n = x.shape[0]
     k = _validate.check_k_positive(k, n)
-    view_dtype, _, _, nan_key = _key_info(x.dtype)
     T = _kth_key(C.bits_of(x), k, x.dtype)
-    return _key_to_value(T, np.dtype(x.dtype), view_dtype, nan_key)
+    return key_to_value(T, x.dtype)
 
 
 def select_above(x, threshold, *, index_dtype=np.int64):
@@ -376,7 +367,7 @@ def select_above(x, threshold, *, index_dtype=np.int64):
     Notes
     -----
     docs/design.md §3 kernel contract. The threshold becomes the smallest key K of x's dtype with
-    value >= threshold (``cpu.select._threshold_key``, exact), and the compaction takes every
+    value >= threshold (``_contract.threshold_key``, exact), and the compaction takes every
     key > K - 1. Two reads of x (count, write) plus a scan of per-tile counts; one device ->
     host copy of the output length.
     """
@@ -384,8 +375,7 @@ def select_above(x, threshold, *, index_dtype=np.int64):
     n = x.shape[0]
     t = _validate.check_threshold(threshold)
     idt = _validate.check_index_dtype(index_dtype, n)
-    _, _, inf_key, nan_key = _key_info(x.dtype)
-    K = _threshold_key(t, np.dtype(x.dtype), inf_key, nan_key)
+    K = threshold_key(t, x.dtype)
     if n == 0:
         return C.empty(0, idt), C.empty(0, x.dtype)
     state = cuda.to_device(np.array([K - 1, 0], np.int64))
@@ -420,8 +410,8 @@ def count_above(x, threshold):
     """
     x = C.as_values("x", x)
     t = _validate.check_threshold(threshold)
-    _, mask, inf_key, nan_key = _key_info(x.dtype)
-    K = _threshold_key(t, np.dtype(x.dtype), inf_key, nan_key)
+    _, mask, _, _ = key_info(x.dtype)
+    K = threshold_key(t, x.dtype)
     n = x.shape[0]
     if n == 0:
         return 0
@@ -474,7 +464,6 @@ def estimate_threshold(x, k, *, sample_size=None, seed=0):
         return math.inf
     if s is None:
         s = max(int(config.THRESHOLD_SAMPLE_MIN), math.ceil(config.THRESHOLD_SAMPLE_FRACTION * n))
-    view_dtype, _, _, nan_key = _key_info(x.dtype)
     bits = C.bits_of(x)
     if s >= n:
         T = _kth_key(bits, k, x.dtype)
@@ -483,4 +472,4 @@ def estimate_threshold(x, k, *, sample_size=None, seed=0):
         C.launch(_sample, s)(bits, np.uint64(seed), sample)
         k_s = min(s, max(1, -((-k * s) // n)))  # ceil(k * s / n)
         T = _kth_key(sample, k_s, x.dtype)
-    return float(_key_to_value(T, np.dtype(x.dtype), view_dtype, nan_key))
+    return float(key_to_value(T, x.dtype))
