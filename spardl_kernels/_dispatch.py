@@ -24,6 +24,7 @@ KERNEL_NAMES = (
     "block_offsets",
     "scatter_add",
     "gather",
+    "accumulate_topk",
 )
 
 

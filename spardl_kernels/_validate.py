@@ -153,3 +153,43 @@ def check_seed(seed):
 def check_writeable(name, writeable):
     """An in-place target must be writeable."""
     require(writeable, name, "array is read-only; scatter_add writes into it")
+
+
+def check_blocks(ks, bounds, n):
+    """Per-block budgets and block boundaries of ``accumulate_topk`` (small host arrays).
+
+    Returns (ks, bounds) as int64 NumPy arrays: bounds rise from 0 to n, and
+    0 <= ks[b] <= bounds[b+1] - bounds[b] for each of the len(bounds) - 1 blocks.
+    """
+    bounds = np.asarray(bounds)
+    ks = np.asarray(ks)
+    require(
+        bounds.dtype.kind in "iu",
+        "bounds",
+        f"must be an integer array, got {bounds.dtype}",
+        TypeError,
+    )
+    require(
+        bounds.ndim == 1 and bounds.shape[0] >= 2,
+        "bounds",
+        f"expected a 1-D array of at least 2 boundaries, got shape {bounds.shape}",
+    )
+    bounds = bounds.astype(np.int64)
+    require(
+        bounds[0] == 0 and bounds[-1] == n and bool(np.all(np.diff(bounds) >= 0)),
+        "bounds",
+        f"must rise from 0 to n={n}",
+    )
+    require(ks.dtype.kind in "iu", "ks", f"must be an integer array, got {ks.dtype}", TypeError)
+    require(
+        ks.ndim == 1 and ks.shape[0] == bounds.shape[0] - 1,
+        "ks",
+        f"expected shape ({bounds.shape[0] - 1},) (one per block), got {ks.shape}",
+    )
+    ks = ks.astype(np.int64)
+    require(
+        bool(np.all((ks >= 0) & (ks <= np.diff(bounds)))),
+        "ks",
+        "every ks[b] must be in [0, bounds[b+1] - bounds[b]]",
+    )
+    return ks, bounds

@@ -140,3 +140,17 @@ def scatter_add(dense, indices, values):
 
 def gather(dense, indices):
     return np.asarray(dense)[np.asarray(indices)]
+
+
+def accumulate_topk(g, e, ks, bounds, *, out=None):
+    x = np.asarray(g).astype(e.dtype) + e
+    if out is not None:
+        out[:] = x
+        x = out
+    parts = [topk_abs(x[lo:hi], k) for lo, hi, k in zip(bounds[:-1], bounds[1:], ks, strict=True)]
+    idx = [i + lo for (i, _), lo in zip(parts, bounds[:-1], strict=True)]
+    return (
+        x,
+        np.concatenate([np.empty(0, np.int64), *idx]),
+        np.concatenate([np.empty(0, x.dtype), *(v for _, v in parts)]),
+    )

@@ -561,7 +561,7 @@ def test_bad_input_raises_like_the_cpu(name, args, kwargs):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_namespace_is_the_twelve_kernels():
+def test_namespace_is_the_thirteen_kernels():
     assert sorted(gpu.__all__) == sorted(cpu.__all__)
     for name in gpu.__all__:
         assert callable(getattr(gpu, name)) and "Parameters" in getattr(gpu, name).__doc__
@@ -652,3 +652,49 @@ def test_bench_gpu_arguments():
         timeout=60,
     )
     assert help_out.returncode == 0 and "json_path" in help_out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulate_topk
+# ---------------------------------------------------------------------------------------------
+
+
+def _same_values(got, want):
+    """Equal dtype and values, NaN == NaN (a sum's NaN payload is not part of the contract)."""
+    assert got.dtype == want.dtype
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    assert_bits_equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accumulate_topk_matches_naive_and_cpu(dtype):
+    g = nasty(dtype, seed=4)
+    work = np.float32 if dtype == np.float16 else dtype
+    e = (np.random.default_rng(5).standard_normal(g.shape[0]) * 0.1).astype(work)
+    bounds = np.array([0, 40, 40, 101, 150])
+    ks = np.array([7, 0, 61, 3])
+    out = cuda.device_array(g.shape[0], work)
+    x, i, v = gpu.accumulate_topk(dev(g), dev(e), ks, bounds, out=out)
+    assert x is out
+    for want in (naive.accumulate_topk(g, e, ks, bounds), cpu.accumulate_topk(g, e, ks, bounds)):
+        _same_values(host(x), want[0])
+        assert_bits_equal(host(i), want[1])
+        _same_values(host(v), want[2])
+
+
+def test_accumulate_topk_errors_match_the_cpu():
+    g = np.arange(6, dtype=np.float32)
+    for args in (
+        (g, g.astype(np.float64), [1], [0, 6]),
+        (g, g, [7], [0, 6]),
+        (g, g, [1], [0, 5]),
+    ):
+        with pytest.raises((TypeError, ValueError)) as cpu_err:
+            cpu.accumulate_topk(*args)
+        with pytest.raises(cpu_err.type) as gpu_err:
+            gpu.accumulate_topk(dev(args[0]), dev(args[1]), *args[2:])
+        assert str(gpu_err.value) == str(cpu_err.value)
+    d = dev(g)
+    with pytest.raises(ValueError, match="^out"):
+        gpu.accumulate_topk(d, dev(g), [1], [0, 6], out=d)

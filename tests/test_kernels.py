@@ -359,6 +359,14 @@ V = np.ones(3)
         (lambda: sk.scatter_add(np.zeros(3), I[:1], np.ones(1, np.float32)), TypeError, "values"),
         (lambda: sk.gather(np.zeros(3), np.array([5])), ValueError, "indices"),
         (lambda: sk.gather(np.zeros(0), np.array([0])), ValueError, "indices"),
+        (lambda: sk.accumulate_topk(X, X.astype(np.float64), [1], [0, 6]), TypeError, "e"),
+        (lambda: sk.accumulate_topk(X, X[:5], [1], [0, 6]), ValueError, "e"),
+        (lambda: sk.accumulate_topk(X, X, [1], [0, 5]), ValueError, "bounds"),
+        (lambda: sk.accumulate_topk(X, X, [1], [0.0, 6.0]), TypeError, "bounds"),
+        (lambda: sk.accumulate_topk(X, X, [7], [0, 6]), ValueError, "ks"),
+        (lambda: sk.accumulate_topk(X, X, [1, 1], [0, 6]), ValueError, "ks"),
+        (lambda: sk.accumulate_topk(X, X, [1], [0, 6], out=X), ValueError, "out"),
+        (lambda: sk.accumulate_topk(X, X, [1], [0, 6], out=np.zeros(5)), ValueError, "out"),
     ],
 )
 def test_invalid_input_names_the_argument(call, exc, name):
@@ -468,3 +476,48 @@ def test_large_inputs_equal_for_every_thread_count():
             same_pair(sk.select_above(x, 1.0), ref)
             assert sk.count_above(x, 1.0) == ref[0].shape[0]
             same_pair(sk.merge_add(ia, va, ib, vb), mref)
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulate_topk: X = g + E and the top-k of blocks of X in one pass
+# ---------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(x=vectors(), data=st.data(), path=paths)
+def test_accumulate_topk(x, data, path):
+    n = x.shape[0]
+    work = np.float32 if x.dtype == np.float16 else x.dtype
+    with np.errstate(all="ignore"):
+        e = data.draw(st.sampled_from([0.0, 0.5, -1e-3])) * x[::-1].astype(work)
+    P = data.draw(st.integers(1, 5))
+    bounds = naive.uniform_bounds(n, P)
+    lengths = np.diff(bounds)
+    ks = np.array([data.draw(st.integers(0, int(length))) for length in lengths], np.int64)
+    out = np.empty(n, work) if data.draw(st.booleans()) else None
+    with tuning(*path):
+        got = sk.accumulate_topk(x, e, ks, bounds, out=out)
+    with np.errstate(all="ignore"):
+        ref = naive.accumulate_topk(x, e, ks, bounds)
+    for a, b in zip(got, ref, strict=True):
+        same_bits(a, b)
+    if out is not None:
+        assert got[0] is out
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("sigmas", [None, 0.0])
+def test_accumulate_topk_fused_window_on_large_blocks(dtype, sigmas):
+    # blocks above WINDOW_MIN_N take the fused pass (sigmas 0: a window that often misses, so
+    # the fallback from the finished sum runs too); NaN, inf and ties included
+    rng = np.random.default_rng(7)
+    n = 3 * (1 << 15) + 11
+    g = _numpy_vector(1, n, dtype, 1)
+    work = np.float32 if dtype == np.float16 else dtype
+    e = (rng.standard_normal(n) * 0.01).astype(work)
+    bounds = naive.uniform_bounds(n, 2)
+    for ks in ([n // 200, 0], [1, n // 2 - 5], [n // 2 + 1, 3]):
+        with tuning(sigmas=sigmas):
+            got = sk.accumulate_topk(g, e, np.array(ks), bounds)
+        for a, b in zip(got, naive.accumulate_topk(g, e, np.array(ks), bounds), strict=True):
+            same_bits(a, b)

@@ -174,12 +174,24 @@ def _sample_window(bits, k, mask, nan_key, s, sigmas):
     about cap / 2 keys lie in [lo, hi]. lo = 0 means the sample could not bracket usefully.
     """
     n = bits.shape[0]
-    q = n // s
-    r = n % s
     keys = np.empty(s, np.int64)
     for j in range(s):
-        # position (j * n) // s + q // 2, without overflowing j * n
-        keys[j] = _key(bits[j * q + (j * r) // s + q // 2], mask, nan_key)
+        keys[j] = _key(bits[_sample_position(j, n, s)], mask, nan_key)
+    return _bracket(keys, n, k, nan_key, sigmas)
+
+
+@njit(inline="always", **JIT)
+def _sample_position(j, n, s):
+    """Position of sample j of s strided samples of [0, n): (j * n) // s + (n // s) // 2,
+    without overflowing j * n."""
+    q = n // s
+    return j * q + (j * (n % s)) // s + q // 2
+
+
+@njit(**JIT)
+def _bracket(keys, n, k, nan_key, sigmas):
+    """(lo, hi, cap) of :func:`_sample_window` from the s sampled keys (sorted in place)."""
+    s = keys.shape[0]
     keys.sort()
     # expected number of sample keys above the k-th largest key, and its spread (binomial)
     rank = k * s / n
@@ -279,6 +291,20 @@ def _window_topk(bits, k, mask, nan_key, digits, lanes, cutoff, s, sigmas, out_i
     ok, n_def, definite, m, cand_idx, cand_key = _window_pass(bits, k, mask, nan_key, lo, hi, cap)
     if not ok:
         return False
+    _window_finish(
+        bits, k, nan_key, digits, lanes, cutoff, n_def, definite, m, cand_idx, cand_key,
+        out_idx, out_bits,
+    )  # fmt: skip
+    return True
+
+
+@njit(**JIT)
+def _window_finish(
+    bits, k, nan_key, digits, lanes, cutoff, n_def, definite, m, cand_idx, cand_key,
+    out_idx, out_bits,
+):  # fmt: skip
+    """The top k from a window pass that hit: the n_def definite indices and the threshold key
+    T resolved among the m candidates (all with key > T, then the lowest-index ties)."""
     need = k - n_def
     T = _keys_kth(cand_key, m, need, nan_key, digits, lanes, cutoff)
     above = 0
@@ -287,7 +313,6 @@ def _window_topk(bits, k, mask, nan_key, digits, lanes, cutoff, s, sigmas, out_i
     _finish_topk(
         bits, k, definite, n_def, cand_idx, cand_key, m, T, need - above, out_idx, out_bits
     )
-    return True
 
 
 @njit(**JIT)

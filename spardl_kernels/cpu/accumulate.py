@@ -1,0 +1,220 @@
+"""Accumulate and select in one pass: X = g + E and the top-k of chosen blocks of X (CPU).
+
+Error feedback (docs/design.md §4) starts every step with X = g + E over the whole gradient and
+then selects the top-k of X (or of blocks of it). Done apart, that is three streams of n values
+for the sum and one or two more reads of X for the selection. Here the selection's window pass
+(:func:`spardl_kernels.cpu.select.topk_abs`: a sampled bracket of the k-th largest key, then one
+pass collecting the keys inside and above it) runs inside the summing loop, on each block of 64
+sums while they are still in registers and cache. The bracket is sampled from g + E at the
+sample positions before the pass; if it missed (rare, and verified exactly), the block is
+selected again from the finished X, so the result never depends on the sample.
+"""
+
+import numpy as np
+from numba import njit
+
+from .. import _validate, config
+from ._common import JIT, as_values, key_view
+from .select import (
+    _bracket,
+    _digits,
+    _hit_mask,
+    _hit_mask64,
+    _key,
+    _low_bit,
+    _sample_position,
+    _topk_into,
+    _window_finish,
+    _window_sample_size,
+)
+
+
+@njit(**JIT)
+def _add(g, e, x, start, stop):
+    # slices indexed from 0: Numba then drops the negative-index test and the loop vectorises
+    gp = g[start:stop]
+    ep = e[start:stop]
+    xp = x[start:stop]
+    for i in range(stop - start):
+        xp[i] = gp[i] + ep[i]
+
+
+@njit(**JIT)
+def _sample_sums(g, e, start, stop, s, nan_key, mask, key_dtype):
+    """Keys of g + e at the s strided sample positions of [start, stop)."""
+    n = stop - start
+    sums = np.empty(s, e.dtype)
+    for j in range(s):
+        p = start + _sample_position(j, n, s)
+        sums[j] = g[p] + e[p]
+    bits = sums.view(key_dtype)
+    keys = np.empty(s, np.int64)
+    for j in range(s):
+        keys[j] = _key(bits[j], mask, nan_key)
+    return keys
+
+
+@njit(**JIT)
+def _accumulate_window(g, e, x, xb, start, stop, k, mask, nan_key, lo, hi, cap):
+    """x[start:stop] = g + e, and the window pass of the top k of that block on the way.
+
+    Returns (ok, n_def, definite, m, cand_idx, cand_key) as the window pass does (indices
+    relative to start). The sum is always completed; collecting stops once the window missed.
+    """
+    gp = g[start:stop]
+    ep = e[start:stop]
+    xp = x[start:stop]
+    bp = xb[start:stop]  # the same memory as xp, as integers
+    n = stop - start
+    definite = np.empty(k, np.int64)
+    cand_idx = np.empty(cap, np.int64)
+    cand_key = np.empty(cap, np.int64)
+    mask_t = bp.dtype.type(mask)
+    lo_t = bp.dtype.type(lo)
+    j = 0
+    c = 0
+    ok = True
+    for b in range((n + 63) // 64):
+        s = b * 64
+        if s + 64 <= n:
+            for l in range(64):
+                xp[s + l] = gp[s + l] + ep[s + l]
+            m = _hit_mask64(bp, s, lo_t, mask_t) if ok else np.uint64(0)
+        else:
+            for i in range(s, n):
+                xp[i] = gp[i] + ep[i]
+            m = _hit_mask(bp, s, n, lo_t, mask_t) if ok else np.uint64(0)
+        while m:
+            l, m = _low_bit(m)
+            key = _key(bp[s + l], mask, nan_key)
+            if key > hi:
+                if j == k:
+                    ok = False
+                    break
+                definite[j] = s + l
+                j += 1
+            else:
+                if c == cap:
+                    ok = False
+                    break
+                cand_idx[c] = s + l
+                cand_key[c] = key
+                c += 1
+    ok = ok and j < k and j + c >= k
+    return ok, j, definite, c, cand_idx, cand_key
+
+
+def accumulate_topk(g, e, ks, bounds, *, out=None):
+    """X = g + E, and the top-k of chosen blocks of X, in one pass over the gradient.
+
+    Parameters
+    ----------
+    g : ndarray of shape (n,), float16, float32 or float64
+        The gradient (anything NumPy views without copying).
+    e : ndarray of shape (n,)
+        The residual, in g's work dtype: float32 for a float16 g, else g's dtype.
+    ks : int array of shape (B,)
+        ks[b] entries are selected from block b = [bounds[b], bounds[b+1]); 0 selects nothing.
+    bounds : int array of shape (B + 1,)
+        Block boundaries, rising from 0 to n.
+    out : ndarray of shape (n,), e.dtype, optional
+        Where X is written (sharing no memory with g or e); a new array when None.
+
+    Returns
+    -------
+    x : ndarray of shape (n,), e.dtype
+        g converted exactly to e.dtype, plus e (one rounding per entry).
+    indices : int64 ndarray of shape (sum(ks),)
+        Absolute positions, block by block, ascending within each block (so ascending).
+    values : ndarray of shape (sum(ks),), e.dtype
+        ``x[indices]``, bit for bit.
+
+    Raises
+    ------
+    TypeError
+        g or e not float16/32/64, or e's dtype not g's work dtype; ks or bounds not integer
+        arrays.
+    ValueError
+        g or e not 1-D, lengths differ; bounds not rising from 0 to n; ks of another length or
+        outside [0, block length]; out of another shape or dtype, or sharing memory with g or e.
+
+    Notes
+    -----
+    The same result as ``x = g.astype(e.dtype) + e`` followed by ``topk_abs(x[lo:hi], ks[b])``
+    (shifted by lo) for every block, bit for bit, under the kernel contract's order
+    (docs/design.md §3: larger |x| first, NaN above +inf, ties to the lower index). Blocks of at
+    least ``config.WINDOW_MIN_N`` entries select inside the summing loop; float16 gradients,
+    small blocks and blocks whose sampled window missed are summed first and then selected by
+    :func:`topk_abs`'s own path.
+    """
+    g = as_values("g", g)
+    e = as_values("e", e)
+    n = g.shape[0]
+    work = np.dtype(np.float32) if g.dtype == np.float16 else g.dtype
+    _validate.require(
+        e.dtype == work,
+        "e",
+        f"dtype must be {work} for a {g.dtype} gradient, got {e.dtype}",
+        TypeError,
+    )
+    _validate.check_same_length("e", e.shape[0], "g", n)
+    ks, bounds = _validate.check_blocks(ks, bounds, n)
+    if out is None:
+        x = np.empty(n, work)
+    else:
+        x = as_values("out", out)
+        _validate.require(
+            x.shape == (n,) and x.dtype == work,
+            "out",
+            f"expected shape ({n},) and dtype {work}, got {x.shape} {x.dtype}",
+        )
+        _validate.require(x.flags.writeable, "out", "array is read-only")
+        _validate.require(
+            not (np.shares_memory(x, g) or np.shares_memory(x, e)),
+            "out",
+            "must not share memory with g or e",
+        )
+    total = int(ks.sum())
+    indices = np.empty(total, np.int64)
+    values = np.empty(total, work)
+    fused = g.dtype == work and config.WINDOW_SELECT
+    if not fused:
+        with np.errstate(all="ignore"):  # inf + -inf is NaN here as in the fused loop
+            np.add(g, e, out=x, dtype=work)
+    xb, mask, _, nan_key = key_view(x)
+    digits = _digits(work)
+    lanes = int(config.HIST_LANES)
+    cutoff = int(config.SMALL_N_CUTOFF)
+    vbits = values.view(xb.dtype)
+    o = 0
+    for b in range(ks.shape[0]):
+        lo_b, hi_b, k = int(bounds[b]), int(bounds[b + 1]), int(ks[b])
+        length = hi_b - lo_b
+        sel_i, sel_v = indices[o : o + k], vbits[o : o + k]
+        o += k
+        done = False
+        if fused and 0 < k < length and length >= config.WINDOW_MIN_N:
+            s = _window_sample_size(length)
+            keys = _sample_sums(g, e, lo_b, hi_b, s, nan_key, mask, xb.dtype)
+            lo, hi, cap = _bracket(keys, length, k, nan_key, config.WINDOW_SIGMAS)
+            if lo != 0 and cap <= length // 4:
+                ok, n_def, definite, m, cand_idx, cand_key = _accumulate_window(
+                    g, e, x, xb, lo_b, hi_b, k, mask, nan_key, lo, hi, cap
+                )
+                if ok:
+                    _window_finish(
+                        xb[lo_b:hi_b], k, nan_key, digits, lanes, cutoff, n_def, definite,
+                        m, cand_idx, cand_key, sel_i, sel_v,
+                    )  # fmt: skip
+                    sel_i += lo_b
+                    continue
+                done = True  # summed, but the window missed
+        if fused and not done:
+            _add(g, e, x, lo_b, hi_b)
+        if k == length:
+            sel_i[:] = np.arange(lo_b, hi_b)
+            sel_v[:] = xb[lo_b:hi_b]
+        elif k > 0:
+            _topk_into(xb[lo_b:hi_b], k, mask, nan_key, work, sel_i, sel_v)
+            sel_i += lo_b
+    return x, indices, values
