@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._checks import check_int
 from .mpiexec import mpiexec_path
 
 __all__ = [
@@ -372,9 +373,8 @@ class Cluster:
     """
 
     def __init__(self, nodes, ranks_per_node=1, bandwidth="1gbit", latency=None, env=None):
-        for name, v in (("nodes", nodes), ("ranks_per_node", ranks_per_node)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an integer, got {type(v).__name__}")
+        check_int("nodes", nodes, numpy=False)
+        check_int("ranks_per_node", ranks_per_node, numpy=False)
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be in [1, {MAX_NODES}], got {nodes}")
         if ranks_per_node < 1:

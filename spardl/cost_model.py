@@ -42,6 +42,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ._checks import check_float, check_int
+
 __all__ = [
     "Cost",
     "NETWORKS",
@@ -107,8 +109,7 @@ _ZERO = Cost(0.0, 0.0, 0.0, 0.0)
 
 def _check(P, n, k):
     for name, v in (("P", P), ("n", n), ("k", k)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        check_int(name, v, numpy=False)
     if P < 1:
         raise ValueError(f"P must be >= 1, got {P}")
     if n < 1:
@@ -157,8 +158,7 @@ def collective_rounds(kind: str, P: int) -> int:
 
 def budget(density: float, n: int) -> int:
     """k = ⌊ρ·n⌋, at least 1 and at most n (the rule of :func:`spardl.algorithms.base.budget`)."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)):
-        raise TypeError(f"density must be a float, got {type(density).__name__}")
+    check_float("density", density, numpy=False)
     if not 0 < density <= 1:
         raise ValueError(f"density must be in (0, 1], got {density}")
     return int(min(n, max(1, math.floor(density * n * (1 + 1e-9)))))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ._checks import check_int
+
 __all__ = ["Round", "num_rounds", "srs_schedule", "bruck_schedule"]
 
 
@@ -29,9 +31,8 @@ class Round(NamedTuple):
 
 
 def _check(P, rank):
-    for name, v in (("P", P), ("rank", rank)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    check_int("P", P, numpy=False)
+    check_int("rank", rank, numpy=False)
     if P < 1:
         raise ValueError(f"P must be >= 1, got {P}")
     if not 0 <= rank < P:

@@ -20,6 +20,8 @@ import numpy as np
 import spardl_kernels as K
 from spardl_kernels.devices import is_device_array
 
+from ._checks import check_float, check_int
+
 __all__ = ["Selector", "ExactSelector", "ThresholdSelector", "make_selector", "SELECTORS"]
 
 
@@ -28,8 +30,7 @@ def _check_x_k(x, k):
         x = np.asarray(x)
     if x.ndim != 1:
         raise ValueError(f"x must be 1-D, got shape {x.shape}")
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise TypeError(f"k must be an integer, got {type(k).__name__}")
+    check_int("k", k)
     if not 0 <= k <= x.shape[0]:
         raise ValueError(f"k must be in [0, len(x)={x.shape[0]}], got {k}")
     return x, int(k)
@@ -165,13 +166,11 @@ class ThresholdSelector(Selector):
     kind = "threshold"
 
     def __init__(self, interval: int = 32, slack: float = 0.25, nudge: float = 0.5):
-        if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)):
-            raise TypeError(f"interval must be an integer, got {type(interval).__name__}")
+        check_int("interval", interval)
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         for name, v, hi in (("slack", slack, math.inf), ("nudge", nudge, 1.0)):
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)):
-                raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+            check_float(name, v)
             if not 0 <= v <= hi:
                 raise ValueError(f"{name} must be in [0, {hi}], got {v}")
         self.interval = int(interval)

@@ -22,6 +22,7 @@ import torch
 
 from . import _arrays as A
 from . import make
+from ._checks import check_float, check_int
 from .algorithms.base import collective_check
 from .comm import Comm, name_hash
 
@@ -125,8 +126,7 @@ def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=N
 
 
 def _check_warmup(warmup_steps) -> int:
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)):
-        raise TypeError(f"warmup_steps must be an integer, got {type(warmup_steps).__name__}")
+    check_int("warmup_steps", warmup_steps)
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
     return int(warmup_steps)
@@ -148,12 +148,8 @@ class _Techniques:
         density=None,
         residual="global",
     ):
-        m = momentum_correction
+        m = check_float("momentum_correction", momentum_correction, or_none=True)
         if m is not None:
-            if isinstance(m, bool) or not isinstance(m, (int, float, np.floating)):
-                raise TypeError(
-                    f"momentum_correction must be a float or None, got {type(m).__name__}"
-                )
             if not 0 <= m < 1:
                 raise ValueError(f"momentum_correction must be in [0, 1), got {m}")
             if residual == "none":
@@ -166,21 +162,15 @@ class _Techniques:
             raise TypeError(f"factor_masking must be a bool, got {type(factor_masking).__name__}")
         if not factor_masking and m is None:
             raise ValueError("factor_masking=False applies with momentum_correction only")
-        c = clip_norm
+        c = check_float("clip_norm", clip_norm, or_none=True)
         if c is not None:
-            if isinstance(c, bool) or not isinstance(c, (int, float, np.floating)):
-                raise TypeError(f"clip_norm must be a float or None, got {type(c).__name__}")
             if not (c > 0 and np.isfinite(c)):
                 raise ValueError(f"clip_norm must be a finite number > 0, got {c}")
             c = float(c)
-        w = density_warmup
-        if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
-            raise TypeError(f"density_warmup must be an integer, got {type(w).__name__}")
+        w = check_int("density_warmup", density_warmup)
         if w < 0:
             raise ValueError(f"density_warmup must be >= 0, got {w}")
-        r0 = 0.25 if warmup_density is None else warmup_density
-        if isinstance(r0, bool) or not isinstance(r0, (int, float, np.floating)):
-            raise TypeError(f"warmup_density must be a float, got {type(r0).__name__}")
+        r0 = check_float("warmup_density", 0.25 if warmup_density is None else warmup_density)
         if not 0 < r0 <= 1:
             raise ValueError(f"warmup_density must be in (0, 1], got {r0}")
         if warmup_density is not None and w == 0:

@@ -23,6 +23,7 @@ import numpy as np
 import spardl_kernels as K
 
 from .. import _arrays as A
+from .._checks import check_float, check_int
 from ..comm import Comm, name_hash
 from ..result import SparseResult
 
@@ -246,8 +247,7 @@ class Allreducer:
         """
         err = None
         try:
-            if isinstance(density, bool) or not isinstance(density, (int, float, np.floating)):
-                raise TypeError(f"density must be a float, got {type(density).__name__}")
+            check_float("density", density)
             if not (0 < density <= 1) or math.isnan(density):
                 raise ValueError(f"density must be in (0, 1], got {density}")
         except (TypeError, ValueError) as e:
@@ -272,12 +272,10 @@ class Allreducer:
 
     # -- validation -------------------------------------------------------------------------
     def _validate_common(self, n, density, op, residual, nonfinite, check):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-            raise TypeError(f"n must be an integer, got {type(n).__name__}")
+        check_int("n", n)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        if isinstance(density, bool) or not isinstance(density, (int, float, np.floating)):
-            raise TypeError(f"density must be a float, got {type(density).__name__}")
+        check_float("density", density)
         if not (0 < density <= 1) or math.isnan(density):
             raise ValueError(f"density must be in (0, 1], got {density}")
         if op not in OPS:

@@ -15,6 +15,7 @@ import numpy as np
 
 from spardl_kernels import count_above, select_above, topk_abs
 
+from .._checks import check_int
 from .base import Allreducer, Reduced
 from .common import allgather_sum, error_feedback
 
@@ -111,8 +112,7 @@ class Gaussiank(Allreducer):
 
     def _setup(self) -> None:
         c = self.opts["corrections"]
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
-            raise TypeError(f"corrections must be an integer, got {type(c).__name__}")
+        check_int("corrections", c)
         if c < 0:
             raise ValueError(f"corrections must be >= 0, got {c}")
         self.stats.setdefault("selected", 0)

@@ -20,6 +20,7 @@ import numpy as np
 import spardl_kernels as K
 
 from .. import _arrays as A
+from .._checks import check_int
 from ..comm import pack_blocks, unpack_blocks, wire_index_dtype
 from ..selection import make_selector
 from .base import Allreducer, Reduced
@@ -32,8 +33,7 @@ GLOBAL_NUDGE = 0.1
 
 
 def _positive_int(name, v):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(v).__name__}")
+    check_int(name, v)
     if v < 1:
         raise ValueError(f"{name} must be >= 1, got {v}")
     return int(v)

@@ -14,6 +14,7 @@ import numpy as np
 import spardl_kernels as K
 
 from .. import _arrays as A
+from .._checks import check_int
 from ..comm import wire_index_dtype
 from ..schedules import bruck_schedule, srs_schedule
 from ..selection import make_selector
@@ -124,13 +125,11 @@ class SparDL(Allreducer):
     # -- setup ------------------------------------------------------------------------------
     def _setup(self) -> None:
         d = self.opts["teams"]
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
-            raise TypeError(f"teams must be an integer, got {type(d).__name__}")
+        check_int("teams", d)
         if d < 1 or self.P % d:
             raise ValueError(f"teams must be a positive divisor of P={self.P}, got {d}")
         tau = self.opts["threshold_interval"]
-        if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)):
-            raise TypeError(f"threshold_interval must be an integer, got {type(tau).__name__}")
+        check_int("threshold_interval", tau)
         if tau < 1:
             raise ValueError(f"threshold_interval must be >= 1, got {tau}")
         kind = self.opts["selector"]
