@@ -77,6 +77,175 @@ def estimate_threshold(x, k, *, sample_size=None, seed=0):
     return float(kth_largest_abs(x[pos], k_s))
 
 
+# -- the compact wire codec (spardl_kernels/cpu/wire.py; docs/design.md §2.1) ------------------
+# Exact arithmetic (Fraction) and byte strings, straight from the format's description.
+
+
+def _ladder(v, w):
+    out = b""
+    while w < 8:
+        if v < 2 ** (8 * w) - 1:
+            return out + v.to_bytes(w, "little")
+        out += (2 ** (8 * w) - 1).to_bytes(w, "little")
+        w *= 2
+    return out + v.to_bytes(8, "little")
+
+
+def _read_ladder(buf, p, w):
+    while True:
+        if p + w > len(buf):
+            raise ValueError("truncated")
+        v = int.from_bytes(bytes(buf[p : p + w]), "little")
+        p += w
+        if w == 8 or v < 2 ** (8 * w) - 1:
+            return v, p
+        w *= 2
+
+
+_WIRE_FORMATS = {1: (10, 15, 15), 2: (7, 127, 127)}  # code -> (fraction bits, bias, T)
+
+
+def _code16(v, M, B, s):
+    """The 16-bit code of the float v·2^s, rounded to nearest even."""
+    from fractions import Fraction
+
+    sign = 0x8000 if math.copysign(1.0, v) < 0 else 0
+    y = abs(Fraction(v)) * Fraction(2) ** s
+    if y == 0:
+        return sign
+    emin = 1 - B
+    E = math.floor(math.log2(y))
+    while Fraction(2) ** E > y:
+        E -= 1
+    while Fraction(2) ** (E + 1) <= y:
+        E += 1
+    q = Fraction(2) ** (max(E, emin) - M)
+    r = round(y / q)  # Fraction rounds half to even
+    if E < emin:
+        return sign | r
+    return sign | (((E + B) << M) + r - (1 << M))
+
+
+def _value16(h, M, B, s):
+    from fractions import Fraction
+
+    eb, man = (h >> M) & ((1 << (15 - M)) - 1), h & ((1 << M) - 1)
+    if eb == 0:
+        y = Fraction(man) * Fraction(2) ** (1 - B - M - s)
+    else:
+        y = Fraction(man + (1 << M)) * Fraction(2) ** (eb - B - M - s)
+    f = float(y)  # correctly rounded
+    return -f if h & 0x8000 else f
+
+
+def encode_blocks(indices, values, counts, *, quantise=True):
+    from fractions import Fraction
+
+    indices = np.asarray(indices).astype(np.int64)
+    values = np.asarray(values)
+    dt = values.dtype
+    out = bytearray()
+    dec = []
+    pos = 0
+    for c in np.asarray(counts).tolist():
+        rel = indices[pos : pos + c].tolist()
+        val = values[pos : pos + c]
+        pos += c
+        out += _ladder(c, 1)
+        if c == 0:
+            continue
+        gaps = [rel[0]] + [b - a - 1 for a, b in zip(rel, rel[1:], strict=False)]
+        if any(g < 0 for g in gaps):
+            raise ValueError("indices")
+        if rel == list(range(c)):
+            icode, ibytes = 5, b""
+        else:
+            options = [b"".join(_ladder(g, 1 << w) for g in gaps) for w in range(4)]
+            icode = min(range(4), key=lambda i: (len(options[i]), i))
+            if rel[-1] // 8 + 1 < len(options[icode]):
+                bitmap = bytearray(rel[-1] // 8 + 1)
+                for r in rel:
+                    bitmap[r // 8] |= 1 << (r % 8)
+                options.append(bytes(bitmap))
+                icode = 4
+            ibytes = options[icode]
+        mags = [abs(float(v)) for v in val]
+        if not quantise or not all(math.isfinite(a) for a in mags):
+            vcode, s = 0, 0
+        elif max(mags) == 0:
+            vcode, s = 1, 0
+        else:
+            amax = Fraction(max(mags))
+            e = 0
+            while Fraction(2) ** e < amax:
+                e += 1
+            while Fraction(2) ** (e - 1) >= amax:
+                e -= 1
+            amin = min(Fraction(a) for a in mags if a > 0)
+            normal = amin * Fraction(2) ** (15 - e) >= Fraction(2) ** -14
+            vcode, s = (1, 15 - e) if normal else (2, 127 - e)
+        out += bytes([icode | (vcode << 4)])
+        if vcode:
+            out += (s & 0xFFFF).to_bytes(2, "little")
+        out += ibytes
+        if vcode == 0:
+            out += val.astype(dt.newbyteorder("<")).tobytes()
+            dec += val.tolist()
+        else:
+            M, B, _ = _WIRE_FORMATS[vcode]
+            for v in val.tolist():
+                h = _code16(v, M, B, s)
+                out += h.to_bytes(2, "little")
+                dec.append(_value16(h, M, B, s))
+    return np.frombuffer(bytes(out), np.uint8), np.array(dec, dtype=dt)
+
+
+def decode_blocks(buf, nblocks, value_dtype):
+    buf = bytes(np.asarray(buf, np.uint8))
+    dt = np.dtype(value_dtype)
+    counts, rel, vals = [], [], []
+    p = 0
+    for _ in range(nblocks):
+        c, p = _read_ladder(buf, p, 1)
+        counts.append(c)
+        if c == 0:
+            continue
+        code = buf[p]
+        p += 1
+        icode, vcode = code & 0xF, code >> 4
+        if vcode:
+            s = int.from_bytes(buf[p : p + 2], "little", signed=True)
+            p += 2
+        if icode == 5:
+            rel += list(range(c))
+        elif icode == 4:
+            got = []
+            t = 0
+            while len(got) < c:
+                got += [8 * t + b for b in range(8) if buf[p + t] >> b & 1]
+                t += 1
+            rel += got
+            p += t
+        else:
+            prev = -1
+            for _ in range(c):
+                g, p = _read_ladder(buf, p, 1 << icode)
+                prev += 1 + g
+                rel.append(prev)
+        if vcode == 0:
+            vals += np.frombuffer(buf[p : p + c * dt.itemsize], dt.newbyteorder("<")).tolist()
+            p += c * dt.itemsize
+        else:
+            M, B, _ = _WIRE_FORMATS[vcode]
+            for j in range(c):
+                h = int.from_bytes(buf[p + 2 * j : p + 2 * j + 2], "little")
+                vals.append(_value16(h, M, B, s))
+            p += 2 * c
+    if p != len(buf):
+        raise ValueError("trailing bytes")
+    return np.array(counts, np.int64), np.array(rel, np.int64), np.array(vals, dt)
+
+
 def _sum_dtype(dtype):
     """The scalar type sums are done in: float32 for float16, else the dtype itself."""
     return np.float32 if dtype == np.float16 else np.dtype(dtype).type

@@ -1,0 +1,640 @@
+"""The compact wire codec (docs/design.md §2.1): sparse blocks to bytes and back, on the host.
+
+Not one of the kernels of the contract: no CUDA twin. The layer above (``spardl.comm``)
+stages device blocks through the host, as it does for every message that goes to MPI.
+
+A message is ``nblocks`` block records, one after the other, with no padding. A record is
+
+* the pair count c, as a *ladder* number starting at 1 byte (below);
+* for c > 0: one code byte, ``index_code | value_code << 4``;
+* for a 16-bit value code: the scale exponent s, int16 little-endian;
+* the index section (``index_code``), then the value section (``value_code``).
+
+Indices are block-relative, strictly ascending and ≥ 0. The index codes are
+
+* ``LADDER_1``, ``LADDER_2``, ``LADDER_4``, ``LADDER_8`` (0–3): the gaps g₀ = i₀,
+  g_j = i_j − i_(j−1) − 1, each a ladder number starting at 1, 2, 4 or 8 bytes;
+* ``BITMAP`` (4): bit i (LSB first in each byte) of ⌊i_last/8⌋ + 1 bytes is set for each index;
+* ``PREFIX`` (5): the indices are 0 … c−1 (a full or leading block): no bytes at all.
+
+The encoder takes whichever is smallest for the block (ties: the lowest code). A *ladder*
+number v starting at width w (1, 2, 4 or 8 bytes) is written in w bytes little-endian if
+v < 2^(8w) − 1; otherwise w bytes of 0xFF (the escape) are written and v goes on at width 2w;
+at 8 bytes it is written as it is. So a gap below 255 costs one byte at ``LADDER_1``, one below
+65535 three bytes, and so on.
+
+The value codes are
+
+* ``RAW`` (0): the values' own bytes (float32 or float64, little-endian): bit for bit;
+* ``FP16`` (1): IEEE binary16 of v·2^s, rounded to nearest (ties to even), 2 bytes each;
+* ``BF16`` (2): bfloat16 (8 exponent bits, 7 fraction bits) of v·2^s, rounded the same way.
+
+Choice of the value code, per block: ``RAW`` when ``quantise`` is off or a value is NaN or ±Inf;
+else, with e = ⌈log₂ max|v|⌉, ``FP16`` with s = 15 − e when every non-zero |v| is at least
+2^(e−29) (every scaled value is then a normal float16 in [2^−14, 2^15]: relative error at most
+2^−11), otherwise ``BF16`` with s = 127 − e (range ratio beyond 2^29; relative error at most
+2^−8 down to 2^−126 of the largest). An all-zero block is ``FP16`` with s = 0. The scale is a
+power of two, so it is exact; only the rounding to 16 bits loses anything, and the decoded value
+(what every receiver gets) is returned to the sender too, so that it can keep the difference.
+
+Re-encoding what a receiver decoded (a relay in an all-gather) gives back the same values: the
+rule picks s from the largest magnitude rounded up to a power of two, which the rounding cannot
+move by more than one binade, and the rescaled values stay representable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from ._common import JIT
+
+__all__ = [
+    "LADDER_1",
+    "LADDER_2",
+    "LADDER_4",
+    "LADDER_8",
+    "BITMAP",
+    "PREFIX",
+    "RAW",
+    "FP16",
+    "BF16",
+    "encode_blocks",
+    "decode_blocks",
+    "encoded_capacity",
+]
+
+LADDER_1, LADDER_2, LADDER_4, LADDER_8, BITMAP, PREFIX = 0, 1, 2, 3, 4, 5
+RAW, FP16, BF16 = 0, 1, 2
+
+_U32_ESC = (1 << 32) - 1
+# (fraction bits M, exponent bias B, the exponent target T of the scaled maximum) per code
+_M16, _B16, _T16 = 10, 15, 15
+_MBF, _BBF, _TBF = 7, 127, 127
+#: Error codes of the compiled workers (0: fine).
+_E_ORDER, _E_TRUNC, _E_CODE, _E_TRAIL, _E_RANGE = 1, 2, 3, 4, 5
+
+
+# -- ladder numbers ----------------------------------------------------------------------------
+@numba.njit(**JIT)
+def _ladder_cost(v, w):
+    c = 0
+    while w < 8:
+        c += w
+        if v < (1 << (8 * w)) - 1:
+            return c
+        w *= 2
+    return c + 8
+
+
+@numba.njit(**JIT)
+def _put(buf, p, v, w):
+    """Write v (≥ 0) in w bytes, little-endian; the next position."""
+    for t in range(w):
+        buf[p + t] = (v >> (8 * t)) & 0xFF
+    return p + w
+
+
+@numba.njit(**JIT)
+def _put_ladder(buf, p, v, w):
+    while w < 8:
+        esc = (1 << (8 * w)) - 1
+        if v < esc:
+            return _put(buf, p, v, w)
+        p = _put(buf, p, esc, w)
+        w *= 2
+    return _put(buf, p, v, 8)
+
+
+@numba.njit(**JIT)
+def _get_ladder(buf, p, w):
+    """(v, next position), or (0, -1) for a truncated or out-of-range number."""
+    n = buf.shape[0]
+    while True:
+        if p + w > n:
+            return 0, -1
+        v = 0
+        for t in range(w):
+            v |= np.int64(buf[p + t]) << (8 * t)
+        p += w
+        if w == 8:
+            if v < 0:
+                return 0, -1
+            return v, p
+        if v < (1 << (8 * w)) - 1:
+            return v, p
+        w *= 2
+
+
+# -- 16-bit values -----------------------------------------------------------------------------
+@numba.njit(**JIT)
+def _round16(u, M, B):
+    """The 15-bit magnitude code of the float64 y ≥ 0 whose bits are u (int64), rounded to
+    nearest even in the format with M fraction bits and bias B (y below its overflow)."""
+    e64 = u >> 52
+    sh = 52 - M
+    if e64 - 1023 >= 1 - B:
+        # A normal result: round the fraction in place (a carry moves into the exponent), then
+        # rebias the exponent.
+        r = (u + ((1 << (sh - 1)) - 1) + ((u >> sh) & 1)) >> sh
+        return r - ((1023 - B) << M)
+    if e64 == 0:
+        return 0  # zero or a float64 subnormal: far below the smallest 16-bit subnormal
+    shift = sh + (1 - B) - (e64 - 1023)
+    if shift >= 54:
+        return 0  # below half the smallest subnormal
+    sig = (u & ((1 << 52) - 1)) | (1 << 52)
+    r = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    if rem > half or (rem == half and (r & 1) == 1):
+        r += 1
+    return r  # 1 << M when it rounds up to the smallest normal: the same code
+
+
+@numba.njit(**JIT)
+def _value16_slow(h, M, B, s):
+    """The float64 value of the 16-bit code h in the format (M, B), times 2^−s."""
+    ebits_max = (1 << (15 - M)) - 1
+    eb = (h >> M) & ebits_max
+    man = h & ((1 << M) - 1)
+    if eb == ebits_max:
+        v = math.inf if man == 0 else math.nan
+    elif eb == 0:
+        v = math.ldexp(float(man), 1 - B - M - s)
+    else:
+        v = math.ldexp(float(man + (1 << M)), eb - B - M - s)
+    return -v if (h >> 15) & 1 else v
+
+
+@numba.njit(**JIT)
+def _fast_decode(M, B, s):
+    """Whether every normal code of (M, B) times 2^−s is a normal float64, so its bits can be
+    assembled directly."""
+    ebits_max = (1 << (15 - M)) - 1
+    return 1023 - B - s + 1 >= 1 and 1023 - B - s + ebits_max - 1 <= 2046
+
+
+@numba.njit(**JIT)
+def _values16(codes, out, M, B, s, bits, fbits):
+    """out[j] = the value of codes[j] (int64 16-bit codes) in (M, B) times 2^−s, cast to out's
+    dtype. ``bits`` is a 1-element int64 scratch array, ``fbits`` its float64 view."""
+    ebits_max = (1 << (15 - M)) - 1
+    fast = _fast_decode(M, B, s)
+    off = (1023 - B - s) << 52
+    for j in range(codes.shape[0]):
+        h = codes[j]
+        eb = (h >> M) & ebits_max
+        if fast and 0 < eb < ebits_max:
+            bits[0] = (((h & 0x7FFF) << (52 - M)) + off) | ((h >> 15) << 63)
+            out[j] = fbits[0]
+        elif h & 0x7FFF == 0:
+            out[j] = -0.0 if h >> 15 else 0.0
+        else:
+            out[j] = _value16_slow(h, M, B, s)
+
+
+@numba.njit(**JIT)
+def _codes16(vals, codes, M, B, s, bits, fbits):
+    """codes[j] = the 16-bit code of vals[j]·2^s in (M, B), sign included."""
+    if -1022 <= s <= 1023:
+        mul = math.ldexp(1.0, s)
+        for j in range(vals.shape[0]):
+            v = np.float64(vals[j])
+            fbits[0] = v * mul
+            u = bits[0]
+            codes[j] = _round16(u & 0x7FFFFFFFFFFFFFFF, M, B) | ((u >> 48) & 0x8000)
+    else:
+        for j in range(vals.shape[0]):
+            v = np.float64(vals[j])
+            fbits[0] = math.ldexp(v, s)
+            u = bits[0]
+            codes[j] = _round16(u & 0x7FFFFFFFFFFFFFFF, M, B) | ((u >> 48) & 0x8000)
+
+
+# -- encoding ----------------------------------------------------------------------------------
+@numba.njit(**JIT)
+def _plan(rel, vals, counts, quantise):
+    """Per block: index code, value code and scale exponent; and the message size in bytes.
+    Returns (error, icode, vcode, scale, size)."""
+    nb = counts.shape[0]
+    icode = np.zeros(nb, np.int64)
+    vcode = np.zeros(nb, np.int64)
+    scale = np.zeros(nb, np.int64)
+    isz = vals.itemsize
+    size = 0
+    pos = 0
+    for b in range(nb):
+        c = counts[b]
+        size += _ladder_cost(c, 1)
+        if c == 0:
+            continue
+        size += 1
+        prev = -1
+        c1 = 0
+        c2 = 0
+        c4 = 0
+        for j in range(pos, pos + c):
+            g = rel[j] - prev - 1
+            if g < 0:
+                return _E_ORDER, icode, vcode, scale, 0
+            if g < 0xFF:
+                c1 += 1
+                c2 += 2
+                c4 += 4
+            elif g < 0xFFFF:
+                c1 += 3
+                c2 += 2
+                c4 += 4
+            else:
+                c1 += _ladder_cost(g, 1)
+                c2 += _ladder_cost(g, 2)
+                c4 += _ladder_cost(g, 4)
+            prev = rel[j]
+        if prev == c - 1:
+            code, cost = PREFIX, 0
+        else:
+            code, cost = LADDER_1, c1
+            if c2 < cost:
+                code, cost = LADDER_2, c2
+            if c4 < cost:
+                code, cost = LADDER_4, c4
+            if 8 * c < cost:
+                code, cost = LADDER_8, 8 * c
+            if prev // 8 + 1 < cost:
+                code, cost = BITMAP, prev // 8 + 1
+        icode[b] = code
+        size += cost
+        amax = 0.0
+        amin = math.inf
+        for j in range(pos, pos + c):
+            a = abs(np.float64(vals[j]))
+            amax = max(amax, a)  # NaN: max keeps amax, caught below
+            if 0.0 < a < amin:
+                amin = a
+            if not a < math.inf:
+                amax = math.inf
+                break
+        if not (quantise and amax < math.inf):
+            vcode[b] = RAW
+            size += c * isz
+        else:
+            size += 2 + 2 * c
+            if amax == 0.0:
+                vcode[b] = FP16
+                scale[b] = 0
+            else:
+                f, x = math.frexp(amax)
+                e = x - 1 if f == 0.5 else x  # ⌈log₂ amax⌉
+                if amin >= math.ldexp(1.0, e - 29):
+                    vcode[b] = FP16
+                    scale[b] = _T16 - e
+                else:
+                    vcode[b] = BF16
+                    scale[b] = _TBF - e
+        pos += c
+    return 0, icode, vcode, scale, size
+
+
+@numba.njit(**JIT)
+def _write(rel, vals, vbytes, counts, icode, vcode, scale, buf, dec):
+    """Write the message planned by :func:`_plan` into buf (which has 8 bytes of slack at the
+    end: the ladder loops store up to 3 bytes ahead) and the decoded values into dec; returns
+    the number of bytes of the message."""
+    isz = vals.itemsize
+    bits = np.zeros(1, np.int64)
+    fbits = bits.view(np.float64)
+    codes = np.empty(0, np.int64)
+    p = 0
+    pos = 0
+    for b in range(counts.shape[0]):
+        c = counts[b]
+        p = _put_ladder(buf, p, c, 1)
+        if c == 0:
+            continue
+        ic = icode[b]
+        vc = vcode[b]
+        buf[p] = ic | (vc << 4)
+        p += 1
+        s = scale[b]
+        if vc != RAW:
+            p = _put(buf, p, s & 0xFFFF, 2)
+        prev = -1
+        if ic == BITMAP:
+            nbytes = rel[pos + c - 1] // 8 + 1
+            for t in range(nbytes):
+                buf[p + t] = 0
+            for j in range(pos, pos + c):
+                r = rel[j]
+                buf[p + (r >> 3)] |= 1 << (r & 7)
+            p += nbytes
+        elif ic == LADDER_1:
+            for j in range(pos, pos + c):
+                g = rel[j] - prev - 1
+                prev = rel[j]
+                if g < 0xFFFF:
+                    # 1 byte, or the escape and 2 bytes: stored either way, p moves by 1 or 3
+                    esc = g >= 0xFF
+                    buf[p] = 0xFF if esc else g
+                    buf[p + 1] = g & 0xFF
+                    buf[p + 2] = g >> 8
+                    p += 3 if esc else 1
+                else:
+                    p = _put_ladder(buf, p, g, 1)
+        elif ic == LADDER_2:
+            for j in range(pos, pos + c):
+                g = rel[j] - prev - 1
+                prev = rel[j]
+                if g < 0xFFFF:
+                    buf[p] = g & 0xFF
+                    buf[p + 1] = g >> 8
+                    p += 2
+                else:
+                    p = _put_ladder(buf, p, g, 2)
+        elif ic != PREFIX:
+            w = 1 << ic
+            for j in range(pos, pos + c):
+                p = _put_ladder(buf, p, rel[j] - prev - 1, w)
+                prev = rel[j]
+        if vc == RAW:
+            for t in range(c * isz):
+                buf[p + t] = vbytes[pos * isz + t]
+            for j in range(pos, pos + c):
+                dec[j] = vals[j]
+            p += c * isz
+        else:
+            M = _M16 if vc == FP16 else _MBF
+            B = _B16 if vc == FP16 else _BBF
+            if codes.shape[0] < c:
+                codes = np.empty(c, np.int64)
+            cb = codes[:c]
+            _codes16(vals[pos : pos + c], cb, M, B, s, bits, fbits)
+            for j in range(c):
+                h = cb[j]
+                buf[p] = h & 0xFF
+                buf[p + 1] = h >> 8
+                p += 2
+            _values16(cb, dec[pos : pos + c], M, B, s, bits, fbits)
+        pos += c
+    return p
+
+
+# -- decoding ----------------------------------------------------------------------------------
+@numba.njit(**JIT)
+def _decode(buf, nblocks, counts, rel, vals, vbytes):
+    """Parse a message into counts, block-relative indices and values (rel and vals hold room
+    for every pair the buffer can hold). Returns (error, pairs)."""
+    isz = vals.itemsize
+    cap = rel.shape[0]
+    n = buf.shape[0]
+    bits = np.zeros(1, np.int64)
+    fbits = bits.view(np.float64)
+    codes = np.empty(0, np.int64)
+    p = 0
+    pos = 0
+    for b in range(nblocks):
+        c, p = _get_ladder(buf, p, 1)
+        if p < 0:
+            return _E_TRUNC, pos
+        counts[b] = c
+        if c == 0:
+            continue
+        if c > cap - pos or p >= n:
+            return _E_TRUNC, pos
+        code = np.int64(buf[p])
+        p += 1
+        ic = code & 0xF
+        vc = code >> 4
+        if ic > PREFIX or vc > BF16:
+            return _E_CODE, pos
+        s = 0
+        if vc != RAW:
+            if p + 2 > n:
+                return _E_TRUNC, pos
+            s = np.int64(buf[p]) | (np.int64(buf[p + 1]) << 8)
+            if s >= 0x8000:
+                s -= 0x10000
+            p += 2
+        if ic == PREFIX:
+            for j in range(c):
+                rel[pos + j] = j
+        elif ic == BITMAP:
+            j = 0
+            t = 0
+            while j < c:
+                if p + t >= n:
+                    return _E_TRUNC, pos
+                byte = np.int64(buf[p + t])
+                for bit in range(8):
+                    if (byte >> bit) & 1:
+                        if j == c:
+                            return _E_CODE, pos  # more bits set than the count
+                        rel[pos + j] = 8 * t + bit
+                        j += 1
+                t += 1
+            p += t
+        else:
+            w = 1 << ic
+            prev = -1
+            for j in range(c):
+                if w == 1 and p < n and buf[p] < 0xFF:
+                    g = np.int64(buf[p])
+                    p += 1
+                elif w == 2 and p + 2 <= n and (buf[p] < 0xFF or buf[p + 1] < 0xFF):
+                    g = np.int64(buf[p]) | (np.int64(buf[p + 1]) << 8)
+                    p += 2
+                else:
+                    g, p = _get_ladder(buf, p, w)
+                    if p < 0:
+                        return _E_TRUNC, pos
+                    if g > (1 << 62) - prev:
+                        return _E_RANGE, pos
+                prev = prev + 1 + g
+                rel[pos + j] = prev
+        if vc == RAW:
+            if c * isz > n - p:
+                return _E_TRUNC, pos
+            for t in range(c * isz):
+                vbytes[pos * isz + t] = buf[p + t]
+            p += c * isz
+        else:
+            if 2 * c > n - p:
+                return _E_TRUNC, pos
+            if codes.shape[0] < c:
+                codes = np.empty(c, np.int64)
+            for j in range(c):
+                codes[j] = np.int64(buf[p + 2 * j]) | (np.int64(buf[p + 2 * j + 1]) << 8)
+            p += 2 * c
+            M = _M16 if vc == FP16 else _MBF
+            B = _B16 if vc == FP16 else _BBF
+            _values16(codes[:c], vals[pos : pos + c], M, B, s, bits, fbits)
+        pos += c
+    if p != n:
+        return _E_TRAIL, pos
+    return 0, pos
+
+
+# -- public functions --------------------------------------------------------------------------
+_VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _value_dtype(name, dtype) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{name}: must be float32 or float64, got {dtype!r}") from e
+    if dt not in _VALUE_DTYPES:
+        raise TypeError(f"{name}: must be float32 or float64, got {dt}")
+    return dt
+
+
+def encode_blocks(indices, values, counts, *, quantise=True):
+    """Encode sparse blocks in the compact wire format (module docstring).
+
+    Parameters
+    ----------
+    indices : int32 or int64 array of shape (m,)
+        Block-relative indices of every block, concatenated in block order; within a block
+        strictly ascending and ≥ 0.
+    values : float32 or float64 array of shape (m,)
+        Their values.
+    counts : integer array of shape (nblocks,)
+        Pairs per block (≥ 0, summing to m).
+    quantise : bool, default True
+        Allow the 16-bit value codes; False sends every value bit for bit (``RAW``) and keeps
+        only the index coding.
+
+    Returns
+    -------
+    buf : uint8 array
+        The message.
+    decoded : array of shape (m,), ``values.dtype``
+        The values as :func:`decode_blocks` returns them on the other side (a copy; equal to
+        ``values`` where a block went ``RAW``).
+
+    Raises
+    ------
+    TypeError
+        If a dtype is not one of those above.
+    ValueError
+        If an array is not 1-D, the counts are negative or do not add up to m, the lengths of
+        ``indices`` and ``values`` differ, or a block's indices are negative or not strictly
+        ascending.
+
+    Notes
+    -----
+    Two passes over the pairs: one plans every block (codes, scale, size), one writes. Compiled
+    with Numba (``spardl_kernels/cpu/wire.py``); O(m) time and memory.
+    """
+    idx = np.asarray(indices)
+    val = np.asarray(values)
+    cnt = np.asarray(counts)
+    for name, a in (("indices", idx), ("values", val), ("counts", cnt)):
+        if a.ndim != 1:
+            raise ValueError(f"{name}: must be 1-D, got shape {a.shape}")
+    if idx.shape[0] == 0 and idx.dtype.kind not in "iu":
+        idx = np.empty(0, np.int64)
+    if idx.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise TypeError(f"indices: must be int32 or int64, got {idx.dtype}")
+    vdt = _value_dtype("values", val.dtype)
+    if cnt.shape[0] and cnt.dtype.kind not in "iu":
+        raise TypeError(f"counts: must be integers, got {cnt.dtype}")
+    cnt = cnt.astype(np.int64, copy=False)
+    if idx.shape[0] != val.shape[0]:
+        raise ValueError(f"indices and values: lengths differ ({idx.shape[0]} and {val.shape[0]})")
+    if np.any(cnt < 0) or int(cnt.sum()) != idx.shape[0]:
+        raise ValueError(
+            f"counts: must be >= 0 and add up to len(indices) = {idx.shape[0]}, "
+            f"got a sum of {int(cnt.sum())}"
+        )
+    idx = np.ascontiguousarray(idx, dtype=np.int64)
+    val = np.ascontiguousarray(val, dtype=vdt)
+    err, icode, vcode, scale, size = _plan(idx, val, cnt, bool(quantise))
+    if err:
+        raise ValueError("indices: must be >= 0 and strictly ascending within each block")
+    buf = np.empty(size + 8, np.uint8)  # 8 bytes of slack for the ladder loops
+    dec = np.empty_like(val)
+    written = _write(idx, val, val.view(np.uint8), cnt, icode, vcode, scale, buf, dec)
+    assert written == size, (written, size)
+    return buf[:size], dec
+
+
+_ERRORS = {
+    _E_TRUNC: "shorter than its own headers say",
+    _E_CODE: "an unknown block code",
+    _E_TRAIL: "longer than its blocks",
+    _E_RANGE: "an index beyond 2^62",
+}
+
+
+def decode_blocks(buf, nblocks, value_dtype):
+    """Decode a message of :func:`encode_blocks`.
+
+    Parameters
+    ----------
+    buf : uint8 array
+        The message (any alignment).
+    nblocks : int
+        Blocks it holds (≥ 0; both sides know it).
+    value_dtype : float32 or float64
+        The dtype the values were encoded from (both sides know it).
+
+    Returns
+    -------
+    counts : int64 array of shape (nblocks,)
+    indices : int64 array of shape (m,)
+        Block-relative, concatenated in block order.
+    values : array of shape (m,), ``value_dtype``
+
+    Raises
+    ------
+    ValueError
+        If the message is corrupt: shorter or longer than its records, or an unknown code.
+    TypeError
+        If ``buf`` is not uint8 or ``value_dtype`` is not float32 or float64.
+    """
+    b = np.asarray(buf)
+    if b.ndim != 1:
+        raise ValueError(f"buf: must be 1-D, got shape {b.shape}")
+    if b.dtype != np.uint8:
+        raise TypeError(f"buf: must be uint8, got {b.dtype}")
+    vdt = _value_dtype("value_dtype", value_dtype)
+    if isinstance(nblocks, bool) or not isinstance(nblocks, (int, np.integer)) or nblocks < 0:
+        raise ValueError(f"nblocks: must be an integer >= 0, got {nblocks!r}")
+    b = np.ascontiguousarray(b)
+    cap = b.shape[0] // 2  # every pair takes at least 2 bytes (its value)
+    counts = np.zeros(int(nblocks), np.int64)
+    rel = np.empty(cap, np.int64)
+    vals = np.empty(cap, vdt)
+    err, m = _decode(b, int(nblocks), counts, rel, vals, vals.view(np.uint8))
+    if err:
+        raise ValueError(
+            f"received message of {b.shape[0]} bytes is corrupt: {_ERRORS[err]} "
+            f"({nblocks} blocks expected)"
+        )
+    return counts, rel[:m], vals[:m]
+
+
+def encoded_capacity(nblocks, max_pairs, index_bytes, value_dtype) -> int:
+    """An upper bound on the bytes of a message of ``nblocks`` blocks and ``max_pairs`` pairs.
+
+    Parameters
+    ----------
+    nblocks, max_pairs : int
+        Blocks and pairs (in all).
+    index_bytes : int
+        4 when every block is shorter than 2^31 (a gap then fits ``LADDER_4`` without an
+        escape), else 8.
+    value_dtype : float32 or float64
+        The dtype encoded (a ``RAW`` block sends its bytes).
+
+    Returns
+    -------
+    int
+        Per block 15 bytes of count, 1 code byte, 2 scale bytes; per pair the index bound and
+        the value's size.
+    """
+    vsz = _value_dtype("value_dtype", value_dtype).itemsize
+    return int(nblocks) * 18 + int(max_pairs) * (int(index_bytes) + vsz)
