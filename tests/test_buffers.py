@@ -46,3 +46,26 @@ def test_a_residual_the_caller_holds_is_never_overwritten(algorithm):
     for step in range(1, 5):
         ar(_grad(step))
     np.testing.assert_array_equal(view, copy[:10])
+
+
+@pytest.mark.parametrize(
+    "algorithm, options",
+    [("spardl", {}), ("spardl", {"residual": "local"}), ("topka", {}), ("gtopk", {})],
+)
+def test_selecting_while_accumulating_changes_nothing(algorithm, options, monkeypatch):
+    """The first selection made inside the X = g + E pass (accumulate_topk, fused on blocks of
+    at least WINDOW_MIN_N) gives the same bits as X first and the selection after."""
+    n = 3 * (1 << 15) + 5
+    fused = spardl.make(algorithm, MPI.COMM_SELF, n, density=0.01, **options)
+    apart = spardl.make(algorithm, MPI.COMM_SELF, n, density=0.01, **options)
+    monkeypatch.setattr(apart, "_first_selection", lambda: None)
+    calls = []
+    real = fused._accumulate_selecting
+    monkeypatch.setattr(fused, "_accumulate_selecting", lambda *a: calls.append(1) or real(*a))
+    for step in range(4):
+        g = _grad(step, n) * np.float32(10.0 ** (step % 3))
+        out_f, out_a = fused(g), apart(g)
+        np.testing.assert_array_equal(out_f.indices, out_a.indices)
+        assert out_f.values.tobytes() == out_a.values.tobytes()
+        assert fused.residual.tobytes() == apart.residual.tobytes()
+    assert len(calls) == 4

@@ -190,6 +190,7 @@ class Allreducer:
         self._dtype = None
         self._residual = None
         self._spare = None
+        self._pre = None  # selections made while accumulating (_preselected)
         stats = self.comm.stats
         stats.setdefault("skipped_steps", 0)
         stats.setdefault("steps", 0)
@@ -370,9 +371,37 @@ class Allreducer:
         except BaseException:
             self._rollback(saved)
             raise
+        finally:
+            self._pre = None
         if not applied:
             self._rollback(saved)
         return out
+
+    def _first_selection(self):
+        """The selection a step makes first, from X as it is: (ks, bounds), the budget of each
+        block [bounds[b], bounds[b+1]) (0: none), or None. Exact top-k selections only: the base
+        computes them with X itself (:func:`spardl_kernels.accumulate_topk`) and
+        :meth:`_preselected` hands them to :meth:`_reduce`."""
+        return None
+
+    def _accumulate_selecting(self, g, spare, ks, bounds):
+        """X = g + E with the blocks' top-k of :meth:`_first_selection` on the way."""
+        x, idx, vals = K.accumulate_topk(g, self._residual, ks, bounds, out=spare)
+        offsets = np.concatenate(([0], np.cumsum(ks)))
+        self._pre = {
+            b: (idx[offsets[b] : offsets[b + 1]], vals[offsets[b] : offsets[b + 1]])
+            for b in range(len(ks))
+            if ks[b] > 0
+        }
+        return x
+
+    def _preselected(self, b, k):
+        """The top-k of block b of X from the accumulating pass, or None when this step did not
+        select it there (or with another k). Each block is handed out once."""
+        pre = self._pre.pop(b, None) if self._pre else None
+        if pre is None or pre[0].shape[0] != k:
+            return None
+        return pre
 
     def _take_spare(self, like):
         """The spare host buffer (:attr:`_spare`) if it matches ``like`` and nothing but this
@@ -433,7 +462,13 @@ class Allreducer:
             # X = g + E_old in one pass, into the buffer of an older residual when nothing else
             # holds it: a fresh n-length buffer costs its page faults on every step (about half
             # of SparDL's local work at n = 25 M, measured).
-            x = A.accumulate(g, self._residual, out=self._take_spare(self._residual))
+            spare = self._take_spare(self._residual)
+            plan = self._first_selection() if self.device_resident or not device else None
+            if plan is None:
+                x = A.accumulate(g, self._residual, out=spare)
+            else:
+                # The step's first selection rides on the same pass (K.accumulate_topk).
+                x = self._accumulate_selecting(g, spare, *plan)
         else:
             x = A.cast(g, self._residual.dtype, copy=True)
         old_residual = self._residual

@@ -82,11 +82,14 @@ class GTopk(Allreducer):
         idx, val = unpack_blocks(buf[_MASS.itemsize :], 1, [0], self.wire_index, vdt)[0]
         return mass, idx, val
 
+    def _first_selection(self):
+        return np.array([self.k]), np.array([0, self.n])
+
     def _reduce(self, x: np.ndarray) -> Reduced:
         P, r, k = self.P, self.rank, self.k
         dev = A.is_device(x)
         with self.comm.phase("select"):
-            sent_i, sent_v = topk_abs(x, k)
+            sent_i, sent_v = self._preselected(0, k) or topk_abs(x, k)
         idx, val, mass = sent_i, sent_v, 0.0
         cap = _MASS.itemsize + packed_capacity(1, k, self.wire_index, x.dtype)
         with self.comm.phase("reduce"):

@@ -170,8 +170,24 @@ class SparDL(Allreducer):
         self._budgets()
 
     # -- pieces -----------------------------------------------------------------------------
+    def _first_selection(self):
+        # The first selections read X unchanged: the blocks sent in SRS's first round, or, in a
+        # team of one, the owner's own block (k_b, or h before SAG across teams).
+        if self.selector.kind != "exact":
+            return None
+        ks = np.zeros(self.m, np.int64)
+        if self._srs:
+            for b in self._srs[0].send:
+                ks[b] = self.k_b[b]
+        else:
+            ks[self.p] = self.k_b[self.p] if self.d == 1 else self.h
+        return ks, self.bounds
+
     def _select(self, S, b, k):
         """Top-k of the partial sum of block b: absolute int64 indices and values."""
+        pre = self._preselected(b, k)
+        if pre is not None:
+            return pre
         lo, hi = self._starts[b], int(self.bounds[b + 1])
         rel, vals = self.selector.select(S[lo:hi], k, key=b)
         return A.shift(rel, lo), vals

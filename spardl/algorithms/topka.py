@@ -44,9 +44,12 @@ class TopkA(Allreducer):
     name = "topka"
     options: dict = {}
 
+    def _first_selection(self):
+        return np.array([self.k]), np.array([0, self.n])
+
     def _reduce(self, x: np.ndarray) -> Reduced:
         with self.comm.phase("select"):
-            idx, val = topk_abs(x, self.k)
+            idx, val = self._preselected(0, self.k) or topk_abs(x, self.k)
         with self.comm.phase("allgather"):
             out_i, out_v = allgather_sum(self.comm, idx, val, self.n, equal_counts=True)
         return Reduced(out_i, out_v, error_feedback(x, idx, self.residual_mode))
