@@ -14,6 +14,7 @@ Importing this module imports torch; ``import spardl`` alone does not.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's return annotation as an object.
+import functools
 import os
 import socket
 
@@ -526,13 +527,20 @@ class _Core:
     def state_dict(self) -> dict:
         import copy
 
+        keys, numels = self.keys, self.numels
+        allreducer = None if self.sparse is None else self.sparse.state_dict()
+        if self.sparse is None and self.pending is not None:
+            # Loaded, not applied yet (the hook before its first sparse iteration): saved again
+            # as it was loaded, so a checkpoint taken now loses nothing.
+            allreducer = self.pending.get("allreducer")
+            keys, numels = self.pending.get("keys"), self.pending.get("numels")
         return to_torch_state(
             {
                 "algorithm": self.algorithm,
                 "step": self.step,
-                "keys": self.keys,
-                "numels": self.numels,
-                "allreducer": None if self.sparse is None else self.sparse.state_dict(),
+                "keys": keys,
+                "numels": numels,
+                "allreducer": allreducer,
                 "stats": copy.deepcopy(self.stats),
                 "techniques": self.tech.as_dict(),
                 "velocity": self.velocities()
@@ -625,16 +633,24 @@ class _Core:
     def _apply(self, state: dict) -> None:
         """Load a saved state into the sparse allreducer. Same parameters in the same layout:
         the whole allreducer state (bit for bit). Otherwise each parameter's residual goes to its
-        new place; the algorithm's own estimates (thresholds, budgets, regions) start afresh."""
+        new place; the algorithm's own estimates (thresholds, budgets, regions) start afresh.
+        A state folded for another world size (:mod:`spardl.elastic`) is loaded by
+        ``spardl.elastic``: residual and counters, everything else derived afresh."""
         saved = state.get("allreducer")
         if saved is None:
             return
         ar = self.sparse
+        load = ar._load_local
+        folded = isinstance(saved, dict) and "resized_from" in saved
+        if folded:
+            from .elastic import _load_folded
+
+            load = functools.partial(_load_folded, ar)
         if state.get("keys") is None:  # saved before the layout was recorded: same n only
-            ar._load_local(saved)
+            load(saved)
             return
         if list(state["keys"]) == self.keys and list(state["numels"]) == self.numels:
-            ar._load_local(saved)
+            load(saved)
             return
         res = saved.get("residual")
         if res is None:
@@ -658,7 +674,9 @@ class _Core:
                     )
                 new[self.offsets[i] : self.offsets[i + 1]] = old[k]
         fresh.update(step=int(saved["step"]), dtype=str(dtype), residual=new)
-        ar._load_local(fresh)
+        if folded:  # the saved counters and density, this world's fresh estimates
+            fresh = {**saved, "dtype": str(dtype), "residual": new}
+        load(fresh)
 
 
 class SparseHookState:

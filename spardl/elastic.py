@@ -1,0 +1,717 @@
+"""Elastic resume: a checkpoint written at P ranks resumes at any P' ≥ 1.
+
+An allreducer's state is per rank (each rank's residual E_r, its selectors' thresholds, SparDL's
+budget h, Ok-Topk's regions), so a checkpoint made of ``state_dict()`` files loads only at the
+world size that wrote it. This module gathers every rank's state into one object or one file
+(collective) and loads it at any world size (collective, all or nothing on every rank):
+
+* :func:`gather_state` / :func:`load_gathered_state`: in memory, on a root rank;
+* :func:`save_checkpoint` / :func:`load_checkpoint`: one file (a zip of JSON and ``.npy``
+  entries, no pickle), written by the root as the ranks' states arrive and read by every rank
+  (a path every rank can read: a shared filesystem);
+* :func:`load_rank_states`: the primitive both loads use, for states the caller has read
+  itself (``spardl train --resume`` reads its per-rank ``torch.save`` files).
+
+Each works on a :class:`spardl.Allreducer`, a :class:`spardl.torch.SparseGradientReducer` or a
+:class:`spardl.torch.SparseHookState`.
+
+What a load at P' does (docs/design.md §11, docs/reliability.md §4):
+
+* P' = P: rank r loads rank r's state as it was saved, with ``load_state_dict``: the next steps
+  continue bit for bit.
+* P' ≠ P: rank q of the new world takes the residuals of the old ranks r ≡ q (mod P')
+  (:func:`folded_ranks`) and holds their sum. Growing (P' > P), every old residual stays as it
+  was on the rank of the same number and the new ranks start at zero: no arithmetic, the sum
+  over ranks is preserved bit for bit. Shrinking, each new rank sums ⌈P/P'⌉ or ⌊P/P'⌋ residuals
+  (a compensated float64 sum in old-rank order, rounded once to the residual's dtype), so the
+  sum over ranks is preserved to one rounding of that dtype per coordinate. The
+  momentum-correction velocities of the torch classes are folded the same way.
+  Everything that depends on P is derived afresh for P': SparDL's teams, blocks, block budgets
+  and h (h restarts from ⌊ρC/d⌋), Ok-Topk's regions (recomputed at the next step), TopkDSA's
+  regions; every threshold is re-estimated (the selectors' and Ok-Topk's global threshold are
+  computed exactly at the next step), since a threshold of the old world's residuals and sums
+  says nothing about the new one's. The step and call counters and the density carry over.
+
+Why fold and not another split: every algorithm's conservation argument (docs/design.md §4) is
+per step and holds for any distribution of E over the ranks, so the next steps conserve
+Σ_r X_r = P'·out + Σ_r E_r whatever the split; what a split can change is the rounding of the
+sum it starts from and the steps that follow. Folding adds nothing when growing (the same P
+vectors, the state bit for bit at P' = P) and adds the fewest vectors per coordinate when
+shrinking; giving the whole sum to one rank (or splitting it by blocks of
+``uniform_bounds(n, P')``) would round every coordinate held by two or more old ranks, at every
+P', and put the old world's unsent mass in one rank's top-k.
+
+Units: the sum of the residuals is kept in *sum* units, those of the conservation invariant
+(Σ_r g_r over every step = Σ_t P_t·out_t + Σ_r E_r with ``op="mean"``). With ``op="mean"`` the
+unsent mass then reaches the output divided by P' instead of P: with the linear learning-rate
+scaling rule (lr ∝ P) the parameter update it makes is the same as without the resize.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from .algorithms.base import Allreducer, _work_dtype, collective_check
+from .comm import Comm, name_hash
+
+__all__ = [
+    "FORMAT",
+    "folded_ranks",
+    "gather_state",
+    "load_gathered_state",
+    "load_rank_states",
+    "save_checkpoint",
+    "load_checkpoint",
+]
+
+#: The ``format`` of a gathered state and of a checkpoint file's header.
+FORMAT = "spardl-elastic"
+VERSION = 1
+#: Traffic counters of ``stats``: a rank that did not exist in the old world starts them at 0.
+_TRAFFIC = ("messages", "bytes_sent", "bytes_received", "control_messages")
+_TAG = 0x5D1  # save_checkpoint's point-to-point messages (on the control communicator)
+
+
+def folded_ranks(world_size: int, new_world_size: int, rank: int) -> list[int]:
+    """The old ranks whose states rank ``rank`` of the new world loads.
+
+    Parameters
+    ----------
+    world_size : int
+        P, the world size the states were saved at, ≥ 1.
+    new_world_size : int
+        P', the world size they are loaded at, ≥ 1.
+    rank : int
+        A rank of the new world, in [0, P').
+
+    Returns
+    -------
+    list of int
+        ``[rank]`` when P' = P (each rank its own state), else the old ranks r ≡ rank (mod P')
+        in ascending order: empty for a new rank (rank ≥ P), one rank when growing, ⌈P/P'⌉ or
+        ⌊P/P'⌋ when shrinking.
+
+    Raises
+    ------
+    ValueError
+        If a size is < 1 or ``rank`` is outside [0, P').
+    """
+    for name, v in (("world_size", world_size), ("new_world_size", new_world_size)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise ValueError(f"rank must be an integer, got {rank!r}")
+    if not 0 <= rank < new_world_size:
+        raise ValueError(f"rank must be in [0, {new_world_size}), got {rank}")
+    return list(range(int(rank), int(world_size), int(new_world_size)))
+
+
+# -- what kind of object ------------------------------------------------------------------------
+def _kind(obj) -> str:
+    if isinstance(obj, Allreducer):
+        return "allreducer"
+    if hasattr(obj, "_core") and hasattr(obj, "load_state_dict"):
+        return "torch"
+    raise TypeError(
+        "expected a spardl Allreducer, SparseGradientReducer or SparseHookState, got "
+        f"{type(obj).__name__}"
+    )
+
+
+def _control(obj) -> Comm:
+    """The communicator whose ranks load together (its messages are not the algorithm's)."""
+    return obj.comm if isinstance(obj, Allreducer) else obj._core.ctl
+
+
+def _algorithm(obj) -> str:
+    return obj.name if isinstance(obj, Allreducer) else obj._core.algorithm
+
+
+def _local_state(obj) -> dict:
+    """This rank's state with NumPy arrays only (torch tensors converted)."""
+    state = obj.state_dict()
+    if isinstance(obj, Allreducer):
+        return state
+    from .torch import from_torch_state
+
+    return from_torch_state(state)
+
+
+def _header(obj, world_size: int) -> dict:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": _kind(obj),
+        "algorithm": _algorithm(obj),
+        "n": int(obj.n) if isinstance(obj, Allreducer) else int(obj._core.n),
+        "world_size": int(world_size),
+    }
+
+
+def _check_header(obj, header) -> int:
+    """The old world size of a gathered state or checkpoint ``header``; ValueError if it is not
+    one or holds another kind of state, algorithm or (for an allreducer) n."""
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ValueError(f"not a spardl gathered state or elastic checkpoint (format {FORMAT!r})")
+    if header.get("version") != VERSION:
+        raise ValueError(f"elastic state version {header.get('version')!r}, expected {VERSION}")
+    kind = _kind(obj)
+    checks = [("kind", kind), ("algorithm", _algorithm(obj))]
+    if kind == "allreducer":
+        checks.append(("n", obj.n))
+    for key, mine in checks:
+        if header.get(key) != mine:
+            raise ValueError(
+                f"the checkpoint was saved with {key}={header.get(key)!r}, this one has {mine!r}"
+            )
+    P = header.get("world_size")
+    if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+        raise ValueError(f"the checkpoint's world_size must be an integer >= 1, got {P!r}")
+    return P
+
+
+# -- folding ------------------------------------------------------------------------------------
+def _fold_sum(arrays, dtype) -> np.ndarray:
+    """Σ arrays, in order, rounded once to ``dtype``: one array is returned as it is (a copy);
+    more are summed in float64 with Neumaier's compensation, so the result is the exact sum
+    rounded to ``dtype`` up to a float64 rounding of the compensated sum."""
+    arrays = [np.asarray(a) for a in arrays]
+    if len(arrays) == 1:
+        return np.array(arrays[0], dtype=dtype, copy=True)
+    s = arrays[0].astype(np.float64)
+    c = np.zeros_like(s)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for a in arrays[1:]:
+            t = a.astype(np.float64)
+            u = s + t
+            big = np.abs(s) >= np.abs(t)
+            c += np.where(big, (s - u) + t, (t - u) + s)
+            s = u
+        return (s + c).astype(dtype)
+
+
+_AR_KEYS = ("algorithm", "n", "world_size", "rank", "step", "calls", "dtype", "residual")
+
+
+def _check_ar_states(states, template, world_size) -> None:
+    for r, st in states:
+        if not isinstance(st, dict):
+            raise TypeError(f"the state of old rank {r} must be a dict, got {type(st).__name__}")
+        missing = [k for k in _AR_KEYS if k not in st]
+        if missing:
+            raise ValueError(f"the state of old rank {r} is missing key(s) {missing}")
+        if st["world_size"] != world_size or st["rank"] != r:
+            raise ValueError(
+                f"the state given as old rank {r} of {world_size} was saved by rank "
+                f"{st['rank']!r} of {st['world_size']!r}"
+            )
+        for key in ("algorithm", "n", "step", "calls", "dtype", "density"):
+            if st.get(key) != template.get(key):
+                raise ValueError(
+                    f"the old ranks' states disagree on {key}: {template.get(key)!r} and "
+                    f"{st.get(key)!r} (rank {r}); not one checkpoint?"
+                )
+
+
+def _fold_allreducer(states, template, world_size, new_world_size, rank) -> dict:
+    """The state rank ``rank`` of the new world loads (:func:`_load_folded`): the template's
+    counters, density and dtype, the sum of ``states``' residuals, no algorithm state."""
+    if not isinstance(template, dict):
+        raise TypeError(f"a state must be a dict, got {type(template).__name__}")
+    _check_ar_states([*states, (template["rank"], template)], template, world_size)
+    out = {k: template[k] for k in ("algorithm", "n", "step", "calls", "dtype")}
+    out["density"] = template.get("density")
+    out.update(world_size=new_world_size, rank=rank, extra=None, resized_from=world_size)
+    if template["residual"] is None or template["dtype"] is None:
+        out["residual"] = None
+        return out
+    work = _work_dtype(np.dtype(template["dtype"]))
+    n = int(template["n"])
+    residuals = []
+    for r, st in states:
+        res = st["residual"]
+        if getattr(res, "shape", None) != (n,):
+            raise ValueError(
+                f"the residual of old rank {r} has shape {getattr(res, 'shape', None)}, "
+                f"expected ({n},)"
+            )
+        residuals.append(res)
+    out["residual"] = _fold_sum(residuals, work) if residuals else np.zeros(n, work)
+    return out
+
+
+def _fold_torch(states, template, world_size, new_world_size, rank) -> dict:
+    """The torch reducer's or hook state's state for rank ``rank`` of the new world: the
+    allreducer part folded, the velocities summed by parameter, the counters of the old rank of
+    the same number (or rank 0's with the traffic counters at zero)."""
+    if not isinstance(template, dict):
+        raise TypeError(f"a state must be a dict, got {type(template).__name__}")
+    for r, st in states:
+        if not isinstance(st, dict):
+            raise TypeError(f"the state of old rank {r} must be a dict, got {type(st).__name__}")
+        for key in ("algorithm", "step", "keys", "numels"):
+            if st.get(key) != template.get(key):
+                raise ValueError(
+                    f"the old ranks' states disagree on {key} (rank {r}); not one checkpoint?"
+                )
+    out = dict(template)
+    ar = template.get("allreducer")
+    if ar is not None:
+        out["allreducer"] = _fold_allreducer(
+            [(r, st.get("allreducer")) for r, st in states],
+            ar,
+            world_size,
+            new_world_size,
+            rank,
+        )
+    velocities = [st.get("velocity") or {} for _, st in states]
+    keys = sorted({k for v in velocities for k in v}, key=str)
+    out["velocity"] = {
+        k: _fold_sum([v[k] for v in velocities if k in v], _first(velocities, k).dtype)
+        for k in keys
+    } or None
+    own = [st for r, st in states if r == rank]
+    if own:
+        out["stats"] = own[0].get("stats")
+    else:
+        stats = dict(template.get("stats") or {})
+        stats.update(dict.fromkeys(_TRAFFIC, 0), phases={})
+        out["stats"] = stats
+    return out
+
+
+def _first(dicts, key):
+    return next(np.asarray(d[key]) for d in dicts if key in d)
+
+
+def _load_folded(ar: Allreducer, state: dict) -> None:
+    """Load a folded state (:func:`_fold_allreducer`) into ``ar`` on this rank alone (no
+    messages), all or nothing: the counters, density, dtype and residual from the state, and
+    everything else derived afresh for this world (``_setup`` again: blocks, teams, regions,
+    selectors; then the density's budgets). ValueError if it does not fit."""
+    for key, mine in (
+        ("algorithm", ar.name),
+        ("n", ar.n),
+        ("world_size", ar.P),
+        ("rank", ar.rank),
+    ):
+        if state.get(key) != mine:
+            raise ValueError(
+                f"state was saved with {key}={state.get(key)!r}, this allreducer has {mine!r}"
+            )
+    res = state.get("residual")
+    if res is not None and getattr(res, "shape", None) != (ar.n,):
+        raise ValueError(
+            f"state residual has shape {getattr(res, 'shape', None)}, expected ({ar.n},)"
+        )
+    density = float(state.get("density", ar.density))
+    ar._validate_common(ar.n, density, ar.op, ar.residual_mode, ar.nonfinite, ar.check)
+    saved = ar._snapshot()
+    try:
+        ar._setup()  # a fresh derivation for this world: the options were validated already
+        ar._apply_density(density)
+        ar.step = int(state["step"])
+        ar._calls = int(state["calls"])
+        ar._dtype = None if state["dtype"] is None else np.dtype(state["dtype"])
+        if res is None:
+            ar._residual = None
+        else:
+            work = _work_dtype(ar._dtype) if ar._dtype is not None else np.dtype(np.float32)
+            ar._residual = np.array(res, dtype=work, copy=True)
+    except Exception as e:  # noqa: BLE001 - restored, then reported as a malformed state
+        _restore(ar, saved)
+        raise ValueError(f"state is malformed ({type(e).__name__}: {e})") from e
+
+
+def _restore(ar: Allreducer, saved) -> None:
+    """Undo :func:`_load_folded` (the density first: the saved thresholds are checked
+    against the budgets of their own density)."""
+    if ar.density != saved[5]:
+        ar._apply_density(saved[5])
+    ar._rollback(saved[:5])
+
+
+# -- the collective loads -------------------------------------------------------------------------
+def _prepare(obj, states, world_size):
+    """This rank's part of a load: ("same", its own state) or ("folded", the folded state)."""
+    comm = _control(obj)
+    P = world_size
+    if isinstance(P, bool) or not isinstance(P, (int, np.integer)) or P < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {P!r}")
+    if not isinstance(states, dict):
+        raise TypeError(f"states must be a dict of old rank -> state, got {type(states).__name__}")
+    need = folded_ranks(int(P), comm.size, comm.rank)
+    missing = [r for r in need if r not in states]
+    if missing:
+        raise ValueError(f"the states of old rank(s) {missing} are missing on this rank")
+    if P == comm.size:
+        return "same", states[comm.rank]
+    if need:
+        template = states[need[0]]
+    elif states:
+        template = states[min(states)]
+    else:
+        raise ValueError("no state given (a new rank needs one, e.g. old rank 0's, for counters)")
+    fold = _fold_allreducer if _kind(obj) == "allreducer" else _fold_torch
+    return "folded", fold([(r, states[r]) for r in need], template, int(P), comm.size, comm.rank)
+
+
+def load_rank_states(obj, states: dict, world_size: int) -> None:
+    """Load the states of a world of ``world_size`` ranks into ``obj`` at this world's size.
+
+    Collective over ``obj``'s communicator (every rank calls it between the same two steps),
+    and all or nothing on every rank: if anything is wrong on any rank, every rank raises and
+    every rank's state stays as it was.
+
+    Parameters
+    ----------
+    obj : Allreducer, SparseGradientReducer or SparseHookState
+        What to load into, at world size P' (its communicator's size).
+    states : dict of int -> dict
+        Old rank -> that rank's ``state_dict()`` (NumPy arrays or torch tensors). On rank q it
+        must hold every old rank of :func:`folded_ranks` (P, P', q); a rank with none of them
+        (a new rank, q ≥ P) needs one other state (old rank 0's), of which only the counters
+        are used. Other entries are ignored.
+    world_size : int
+        P, the size of the world that saved them (the same on every rank).
+
+    Raises
+    ------
+    TypeError
+        On every rank, if some rank's ``states`` (or a state in it) is not a dict.
+    ValueError
+        On every rank, if some rank misses a state it needs, a state comes from another
+        algorithm or n (an allreducer; the torch classes map residuals by parameter), the old
+        states disagree (not one checkpoint), or the ranks disagree on ``world_size``.
+
+    Notes
+    -----
+    At P' = P each rank loads its own state with ``load_state_dict`` (bit for bit). Otherwise
+    see the module docstring: residuals (and velocities) folded, everything that depends on P
+    derived afresh, thresholds re-estimated at the next step.
+    """
+    _kind(obj)
+    _load(obj, states, world_size, None)
+
+
+def _load(obj, states, world_size, err) -> None:
+    """:func:`load_rank_states`, with this rank's error so far (it joins the first check)."""
+    comm = _control(obj)
+    prepared = None
+    if err is None:
+        try:
+            prepared = _prepare(obj, states, world_size)
+        except (TypeError, ValueError) as e:
+            err = e
+    P = int(world_size) if err is None else -1
+    collective_check(
+        comm,
+        err,
+        [name_hash("spardl.elastic.load"), P],
+        {"elastic load": _algorithm(obj), "checkpoint world size": P},
+    )
+    how, state = prepared
+    if how == "same" or _kind(obj) == "torch":
+        obj.load_state_dict(state)  # collective, all or nothing
+        return
+    saved = obj._snapshot()
+    err = None
+    try:
+        _load_folded(obj, state)
+    except (TypeError, ValueError) as e:
+        err = e
+    try:
+        collective_check(
+            comm,
+            err,
+            [name_hash(f"{obj.name}|elastic load"), obj._calls if err is None else -1, obj.step],
+            {"elastic load": obj.name, "state's call number": obj._calls if err is None else None},
+        )
+    except BaseException:
+        _restore(obj, saved)
+        raise
+
+
+def gather_state(obj, root: int | None = 0) -> dict | None:
+    """Every rank's state, gathered: what :func:`load_gathered_state` loads at any world size.
+
+    Collective over ``obj``'s communicator.
+
+    Parameters
+    ----------
+    obj : Allreducer, SparseGradientReducer or SparseHookState
+        What to gather (its ``state_dict()`` on every rank).
+    root : int or None, default 0
+        The rank that receives it; None: every rank.
+
+    Returns
+    -------
+    dict or None
+        On ``root`` (every rank with None): ``{"format": "spardl-elastic", "version": 1,
+        "kind", "algorithm", "n", "world_size": P, "states": [state of rank 0, …, P−1]}``, the
+        states with NumPy arrays (residuals float32 for float16 gradients, else the gradient's
+        dtype, shape (n,)); None on the other ranks. Root holds P residuals: P·n values.
+
+    Raises
+    ------
+    TypeError
+        If ``obj`` is not one of the three kinds (on this rank, before any message).
+    """
+    _kind(obj)
+    comm = _control(obj)
+    state = _local_state(obj)
+    if root is None:
+        states = comm.mpi.allgather(state)
+    else:
+        states = comm.mpi.gather(state, root=root)
+        if comm.rank != root:
+            return None
+    return {**_header(obj, comm.size), "states": list(states)}
+
+
+def load_gathered_state(obj, gathered: dict | None, root: int | None = 0) -> None:
+    """Load what :func:`gather_state` returned, at this world's size P' (any P' ≥ 1).
+
+    Collective over ``obj``'s communicator, all or nothing on every rank.
+
+    Parameters
+    ----------
+    obj : Allreducer, SparseGradientReducer or SparseHookState
+        Built at P' with the same algorithm (and, for an allreducer, the same n) as the saved
+        one; its own options apply (SparDL's ``teams`` must divide P': the constructor says so).
+    gathered : dict or None
+        :func:`gather_state`'s result on ``root``; ignored on the other ranks (None is fine).
+        With ``root=None`` every rank passes it.
+    root : int or None, default 0
+        The rank that holds ``gathered``: it sends each rank the states it needs
+        (:func:`folded_ranks`). None: every rank holds it.
+
+    Raises
+    ------
+    TypeError, ValueError
+        On every rank, as :func:`load_rank_states`, and if ``gathered`` is not a gathered state
+        or was saved with another algorithm, kind of object or (an allreducer) n.
+    """
+    _kind(obj)
+    comm = _control(obj)
+    Pn = comm.size
+
+    def pieces(g):
+        P = _check_header(obj, g)
+        states = g.get("states")
+        if not isinstance(states, (list, tuple)) or len(states) != P:
+            raise ValueError(f"the gathered state must hold {P} states")
+        out = []
+        for q in range(Pn):
+            need = folded_ranks(P, Pn, q)
+            mine = {r: states[r] for r in need} or {0: states[0]}
+            out.append((P, mine))
+        return out
+
+    err, P, mine = None, None, {}
+    if root is None:
+        try:
+            P, mine = pieces(gathered)[comm.rank]
+        except (TypeError, ValueError) as e:
+            err = e
+    else:
+        parts = None
+        if comm.rank == root:
+            try:
+                parts = pieces(gathered)
+            except (TypeError, ValueError) as e:
+                parts = [("error", f"{type(e).__name__}: {e}")] * Pn
+                err = e
+        P, mine = comm.mpi.scatter(parts, root=root)
+        if P == "error" and err is None:
+            err = ValueError(f"rank {root} rejected the gathered state ({mine})")
+    _load(obj, mine if err is None else {}, P if err is None else 1, err)
+
+
+# -- one file ----------------------------------------------------------------------------------
+def _encode(obj, arrays: list, prefix: str):
+    """JSON-able form of a state: arrays become ``{"__array__": entry}`` (appended to
+    ``arrays``), tuples ``{"__tuple__": [...]}``, dicts with other keys than strings
+    ``{"__items__": [[k, v], ...]}``."""
+    if isinstance(obj, np.ndarray):
+        name = f"{prefix}/{len(arrays)}.npy"
+        arrays.append((name, obj))
+        return {"__array__": name}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v, arrays, prefix) for k, v in obj.items()}
+        return {
+            "__items__": [
+                [_encode(k, arrays, prefix), _encode(v, arrays, prefix)] for k, v in obj.items()
+            ]
+        }
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, arrays, prefix) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v, arrays, prefix) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if hasattr(obj, "detach") and hasattr(obj, "numpy"):  # a torch tensor
+        return _encode(obj.detach().cpu().numpy(), arrays, prefix)
+    raise TypeError(f"cannot store a {type(obj).__name__} in an elastic checkpoint")
+
+
+def _decode(obj, zf: zipfile.ZipFile | None):
+    """Inverse of :func:`_encode`; arrays are read from ``zf`` (None: not read, each one an
+    empty float64 array in its place: a new rank needs rank 0's counters, not its arrays)."""
+    if isinstance(obj, list):
+        return [_decode(v, zf) for v in obj]
+    if isinstance(obj, dict):
+        if "__array__" in obj:
+            if zf is None:
+                return np.empty(0)
+            with zf.open(obj["__array__"]) as f:
+                return np.lib.format.read_array(f, allow_pickle=False)
+        if "__tuple__" in obj:
+            return tuple(_decode(v, zf) for v in obj["__tuple__"])
+        if "__items__" in obj:
+            return {_hashable(_decode(k, zf)): _decode(v, zf) for k, v in obj["__items__"]}
+        return {k: _decode(v, zf) for k, v in obj.items()}
+    return obj
+
+
+def _hashable(k):
+    return tuple(_hashable(v) for v in k) if isinstance(k, list) else k
+
+
+def _write_state(zf: zipfile.ZipFile, r: int, state) -> None:
+    arrays: list = []
+    doc = _encode(state, arrays, f"rank{r}")
+    for name, a in arrays:
+        with zf.open(name, "w", force_zip64=True) as f:
+            np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
+    zf.writestr(f"rank{r}/state.json", json.dumps(doc))
+
+
+def _read_state(zf: zipfile.ZipFile, r: int, arrays: bool = True):
+    return _decode(json.loads(zf.read(f"rank{r}/state.json")), zf if arrays else None)
+
+
+def save_checkpoint(obj, path, root: int = 0) -> None:
+    """Write every rank's state into one file, loadable at any world size by
+    :func:`load_checkpoint`.
+
+    Collective over ``obj``'s communicator. ``root`` writes the file (to ``path`` + ".tmp",
+    renamed to ``path`` when complete) as the ranks' states arrive, one at a time: it holds one
+    rank's state at once, not P.
+
+    Parameters
+    ----------
+    obj : Allreducer, SparseGradientReducer or SparseHookState
+        What to save.
+    path : str or os.PathLike
+        The file (on root's filesystem; :func:`load_checkpoint` reads it on every rank).
+    root : int, default 0
+        The writing rank.
+
+    Raises
+    ------
+    OSError
+        On every rank, if root cannot write the file (nothing is left at ``path``; an older
+        file there is kept).
+    TypeError
+        If ``obj`` is not one of the three kinds (on this rank, before any message).
+
+    Notes
+    -----
+    The file is a zip: ``header.json`` (format, version, kind, algorithm, n, world size),
+    ``rank{r}/state.json`` (rank r's state, arrays referenced by name) and
+    ``rank{r}/{i}.npy`` (its arrays: residual, velocities, Ok-Topk's regions). No pickle: it
+    loads without running code from the file.
+    """
+    _kind(obj)
+    comm = _control(obj)
+    state = _local_state(obj)
+    err = None
+    if comm.rank == root:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        zf = None
+        try:
+            zf = zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+            zf.writestr("header.json", json.dumps(_header(obj, comm.size)))
+            _write_state(zf, root, state)
+        except (OSError, TypeError, ValueError) as e:
+            err = e
+        for r in range(comm.size):
+            if r == root:
+                continue
+            st = comm.mpi.recv(source=r, tag=_TAG)
+            if err is None:
+                try:
+                    _write_state(zf, r, st)
+                except (OSError, TypeError, ValueError) as e:
+                    err = e
+            del st
+        try:
+            if zf is not None:
+                zf.close()
+            if err is None:
+                os.replace(tmp, path)
+        except OSError as e:
+            err = err or e
+        if err is not None:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+    else:
+        comm.mpi.send(state, dest=root, tag=_TAG)
+    del state
+    report = None if err is None else f"{type(err).__name__}: {err}"
+    reports = comm.mpi.allgather(report)
+    if err is not None:
+        raise OSError(f"cannot write the checkpoint {path} ({report})") from err
+    bad = [(r, m) for r, m in enumerate(reports) if m is not None]
+    if bad:
+        raise OSError(f"rank {bad[0][0]} cannot write the checkpoint ({bad[0][1]})")
+
+
+def load_checkpoint(obj, path) -> None:
+    """Load a file of :func:`save_checkpoint` at this world's size P' (any P' ≥ 1).
+
+    Collective over ``obj``'s communicator, all or nothing on every rank. Every rank reads the
+    file (a path every rank can read) and only the entries it needs: its old ranks'
+    (:func:`folded_ranks`), ⌈P/P'⌉ residuals at most, or rank 0's counters on a new rank.
+
+    Parameters
+    ----------
+    obj : Allreducer, SparseGradientReducer or SparseHookState
+        Built at P' with the same algorithm (and, for an allreducer, the same n).
+    path : str or os.PathLike
+        The checkpoint file.
+
+    Raises
+    ------
+    TypeError, ValueError
+        On every rank, as :func:`load_rank_states`; ValueError also if some rank cannot read
+        the file or it is not an elastic checkpoint, or was saved with another algorithm, kind
+        of object or (an allreducer) n.
+    """
+    _kind(obj)
+    comm = _control(obj)
+    err, P, states = None, 1, {}
+    try:
+        with zipfile.ZipFile(path) as zf:
+            P = _check_header(obj, json.loads(zf.read("header.json")))
+            need = folded_ranks(P, comm.size, comm.rank)
+            states = {r: _read_state(zf, r) for r in need}
+            if not need:
+                states[0] = _read_state(zf, 0, arrays=False)
+    except ValueError as e:
+        err = e
+    except (OSError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+        err = ValueError(f"cannot read the checkpoint {path} ({type(e).__name__}: {e})")
+    _load(obj, states, P, err)
