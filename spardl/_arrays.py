@@ -159,6 +159,16 @@ def zero_members(s, idx, members):
     return s
 
 
+def set_outside(s, idx, vals, members):
+    """``s[i] = v`` for (i, v) in (idx, vals) with i NOT in the ascending ``members`` (idx
+    unique); returns s."""
+    if is_device(s):
+        return device_ops().set_outside(s, idx, vals, members)
+    out = ~_member_mask(idx, members)
+    s[idx[out]] = vals[out]
+    return s
+
+
 def sub_members(s, idx, vals, members):
     """``s[i] = s[i] + (−v)`` for (i, v) in (idx, vals) with i in the ascending ``members``
     (idx unique); returns s."""

@@ -19,6 +19,7 @@ from ..comm import wire_index_dtype
 from ..schedules import bruck_schedule, srs_schedule
 from ..selection import make_selector
 from .base import Allreducer, Reduced, budget
+from .common import keep_remainder
 
 __all__ = ["SparDL", "next_h"]
 
@@ -192,10 +193,16 @@ class SparDL(Allreducer):
         rel, vals = self.selector.select(S[lo:hi], k, key=b)
         return A.shift(rel, lo), vals
 
-    def _bruck(self, comm, rounds, me, item, start_of, cap_of, vdt):
-        """Bruck all-gather of packed sparse items; returns {item id: (indices, values)}."""
+    def _bruck(self, comm, rounds, me, item, start_of, cap_of, vdt, keep=None):
+        """Bruck all-gather of packed sparse items; returns {item id: (indices, values)}.
+
+        Every rank holds each item as every rank decoded it (its own too: ``wire="compact"``
+        rounds the values once, and relays send them on unchanged). With ``keep=(S, log)``
+        what the wire rounded off this rank's own item is added into S (first logged in the
+        undo list ``log`` unless it is None)."""
         held = {me: item}
         for rnd in rounds:
+            delivered = []
             got = comm.exchange_blocks(
                 rnd.dest,
                 [held[q] for q in rnd.send],
@@ -205,8 +212,18 @@ class SparDL(Allreducer):
                 sum(cap_of(q) for q in rnd.recv),
                 self._idt,
                 vdt,
+                wire=self.wire,
+                sent=delivered,
             )
+            for q, v in zip(rnd.send, delivered, strict=True):
+                if v is not held[q][1]:
+                    held[q] = (held[q][0], v)
             held.update(zip(rnd.recv, got, strict=True))
+        if keep is not None and held[me][1] is not item[1]:
+            S, log = keep
+            if log is not None:
+                log.append((item[0], K.gather(S, item[0])))
+            keep_remainder(S, item[0], item[1], held[me][1], self.residual_mode)
         return held
 
     # -- the step ---------------------------------------------------------------------------
@@ -223,6 +240,7 @@ class SparDL(Allreducer):
         with self.comm.phase("srs"):
             for rnd in self._srs:
                 blocks = [self._select(S, b, self.k_b[b]) for b in rnd.send]
+                delivered = []
                 got = self._team.exchange_blocks(
                     rnd.dest,
                     blocks,
@@ -232,12 +250,15 @@ class SparDL(Allreducer):
                     sum(mc(self.k_b[b]) for b in rnd.recv),
                     self._idt,
                     vdt,
+                    wire=self.wire,
+                    sent=delivered,
                 )
                 # A sent block is never received again (the tree): its partial sum with the
                 # sent positions zeroed is final and is this rank's step-2 residual (GRC).
-                for idx, vals in blocks:
+                for (idx, vals), q in zip(blocks, delivered, strict=True):
                     undo.append((idx, vals))  # vals = S[idx] at send time
                     A.zero_at(S, idx)
+                    keep_remainder(S, idx, vals, q, self.residual_mode)  # compact: the rounding
                     sent.append(idx)
                 for idx, vals in got:
                     undo.append((idx, K.gather(S, idx)))
@@ -246,7 +267,8 @@ class SparDL(Allreducer):
         p, kb = self.p, self.k_b[self.p]
         if self.d == 1:
             own = self._select(S, p, kb)
-            undo.append(own)
+            # No undo entry: own is block p's part of I (GRC keeps its step-2 value, 0) and it
+            # is sent (local error feedback zeroes it too).
             A.zero_at(S, own[0])
             sent.append(own[0])
             cap_team = lambda q: mc(self.k_b[q])  # noqa: E731
@@ -265,6 +287,7 @@ class SparDL(Allreducer):
                     lambda t: self._starts[p],
                     lambda t: mc(h),
                     vdt,
+                    keep=(S, None),  # mine is logged
                 )
             # Team order 0 … d−1: the same sums in the same order on all d owners.
             ui, uv = K.coalesce(
@@ -279,21 +302,24 @@ class SparDL(Allreducer):
             cap_team = lambda q: self.k_b[q]  # noqa: E731
 
         with self.comm.phase("sag_allgather"):
+            # The d owners of block p hold the same own: one of them keeps its rounding.
+            keep = (S, None if self.d == 1 else undo) if self.team_id == 0 else None
             blocks = self._bruck(
-                self._team, self._team_ag, p, own, lambda q: self._starts[q], cap_team, vdt
+                self._team, self._team_ag, p, own, lambda q: self._starts[q], cap_team, vdt, keep
             )
         indices = A.concat([blocks[q][0] for q in range(self.m)], np.int64, dev)
         values = A.concat([blocks[q][1] for q in range(self.m)], vdt, dev)
 
-        if self.residual_mode != "none":
-            step2 = K.gather(S, indices)
+        if self.residual_mode == "global":
+            # GRC step 3: on I, E is the step-2 value (S as it is now); outside I, E = O. Every
+            # change logged outside I is undone, newest first, so each position ends with the
+            # value it had before its first change: O = X.
+            for idx, old in reversed(undo):
+                A.set_outside(S, idx, old, indices)
+        elif self.residual_mode == "local":
             for idx, old in reversed(undo):
                 A.set_at(S, idx, old)  # now S is O = X again
-            if self.residual_mode == "global":
-                # GRC step 3: outside I, E = O; on I, the step-2 value.
-                A.set_at(S, indices, step2)
-            else:
-                A.zero_at(S, A.concat(sent, np.int64, dev))
+            A.zero_at(S, A.concat(sent, np.int64, dev))
         return Reduced(indices, values, S)
 
     # -- state ------------------------------------------------------------------------------

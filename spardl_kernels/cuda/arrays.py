@@ -72,6 +72,14 @@ def _zero_members(s, idx, members):
 
 
 @cuda.jit
+def _set_outside(s, idx, vals, members):
+    # s[idx[j]] = vals[j] where idx[j] is not in members
+    for j in range(cuda.grid(1), idx.shape[0], cuda.gridsize(1)):
+        if not _member(members, idx[j]):
+            s[idx[j]] = vals[j]
+
+
+@cuda.jit
 def _sub_members(s, idx, vals, members):
     # s[idx[j]] += -vals[j] where idx[j] is in members (scatter_add of the negated values)
     for j in range(cuda.grid(1), idx.shape[0], cuda.gridsize(1)):
@@ -177,6 +185,13 @@ def zero_members(s, idx, members):
     """``s[i] = 0`` for every i of ``idx`` that is in the ascending array ``members``."""
     if idx.shape[0] and members.shape[0]:
         C.launch(_zero_members, idx.shape[0])(s, view(idx), view(members))
+    return s
+
+
+def set_outside(s, idx, vals, members):
+    """``s[i] = v`` for every (i, v) of (idx, vals) with i not in the ascending ``members``."""
+    if idx.shape[0]:
+        C.launch(_set_outside, idx.shape[0])(s, view(idx), view(vals), view(members))
     return s
 
 
