@@ -13,6 +13,8 @@ Run it with ``mpiexec -n P python -m spardl train ...``. Determinism: the model 
 from ``--seed`` on every rank (identical replicas), each rank draws its batches from
 (seed, rank, epoch) or (seed, rank, step), torch runs one thread per rank with deterministic
 algorithms, so a run resumed from a checkpoint continues bit for bit as the uninterrupted run.
+A checkpoint also resumes at another world size (another ``-n``): the allreducer's residuals are
+folded into the new world and its thresholds re-estimated (:mod:`spardl.elastic`).
 """
 
 from __future__ import annotations
@@ -278,7 +280,7 @@ def add_arguments(p) -> None:
         "--resume",
         type=Path,
         default=None,
-        help="resume from PATH.rank{r}.pt (written by --checkpoint)",
+        help="resume from PATH.rank{r}.pt (written by --checkpoint), at any number of ranks",
     )
     p.add_argument(
         "--stop-after",
@@ -398,7 +400,8 @@ def _check_lm_sizes(args, P: int) -> None:
         )
 
 
-#: The options that define a run: a --resume must repeat the checkpoint's (world size too).
+#: The options that define a run: a --resume must repeat the checkpoint's. The world size may
+#: differ: the allreducer's state is then folded into the new world (:mod:`spardl.elastic`).
 RUN_OPTIONS = (
     "task",
     "algorithm",
@@ -438,25 +441,57 @@ def _describe(key: str, value) -> str:
     return f"P={value}" if key == "world_size" else f"{_option(key)} {value}"
 
 
+def _saved_world_size(ck: dict):
+    return (ck.get("options") or {}).get("world_size", ck.get("world_size"))
+
+
+def _agreed(job, problem) -> None:
+    """Collective: UsageError on every rank, naming the first rank's problem, if any rank has
+    one."""
+    problems = job.allgather_object(problem)
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if bad:
+        r, p = bad[0]
+        raise UsageError(f"{p} (rank {r}" + (f" and {len(bad) - 1} more)" if len(bad) > 1 else ")"))
+
+
 def _check_resume(args, job):
-    """Collective: this rank's ``--resume`` checkpoint, loaded; UsageError on every rank if any
-    rank's checkpoint cannot be read or was saved with other run options (:data:`RUN_OPTIONS`,
-    the world size; a checkpoint of an older spardl without them: world size, algorithm and
-    task). Returns None without ``--resume``."""
+    """Collective: the ``--resume`` checkpoint this rank starts from, loaded; UsageError on every
+    rank if any rank's checkpoint cannot be read or was saved with other run options
+    (:data:`RUN_OPTIONS`; a checkpoint of an older spardl without them: algorithm and task).
+    Returns None without ``--resume``.
+
+    At the checkpoint's world size P, rank r's own file. At another world size P' (elastic
+    resume): the model, optimizer and loop position of old rank r's file (rank 0's for a new
+    rank r ≥ P), with ``ck["resize"] = (P, {old rank: its reducer state})`` holding the states
+    that :func:`spardl.elastic.load_rank_states` folds into rank r (old ranks ≡ r mod P').
+    """
     if args.resume is None:
         return None
     import torch
 
-    problem, ck = None, None
+    def load(rank):
+        return torch.load(_ckpt_path(args.resume, rank), weights_only=False)
+
+    problem, ck, P, reading = None, None, None, _ckpt_path(args.resume, job.rank)
     try:
-        ck = torch.load(_ckpt_path(args.resume, job.rank), weights_only=False)
+        own = _ckpt_path(args.resume, job.rank)
+        ck = load(job.rank) if own.exists() else None
+        if ck is None or _saved_world_size(ck) != job.size:
+            # Another world size (or a new rank): rank 0's file says which.
+            reading = _ckpt_path(args.resume, 0)
+            first = ck if job.rank == 0 else load(0)
+            if job.rank >= _saved_world_size(first):
+                ck = first  # a new rank starts from rank 0's model, optimizer and position
+            elif ck is None:
+                raise FileNotFoundError(f"no checkpoint {own}")
+        P = _saved_world_size(ck)
         mine = _run_options(args, job.size)
         theirs = ck.get("options") or {
-            "world_size": ck.get("world_size"),
             "algorithm": ck.get("algorithm"),
             "task": ck.get("task", "digits"),
         }
-        diff = [k for k in mine if k in theirs and theirs[k] != mine[k]]
+        diff = [k for k in mine if k != "world_size" and k in theirs and theirs[k] != mine[k]]
         if diff:
             problem = (
                 "--resume: the checkpoint was saved with "
@@ -465,12 +500,25 @@ def _check_resume(args, job):
                 + ", ".join(_describe(k, mine[k]) for k in diff)
             )
     except Exception as e:  # noqa: BLE001 - an unreadable checkpoint is reported on every rank
-        problem = f"--resume: cannot read {_ckpt_path(args.resume, job.rank)} ({e})"
-    problems = job.allgather_object(problem)
-    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
-    if bad:
-        r, p = bad[0]
-        raise UsageError(f"{p} (rank {r}" + (f" and {len(bad) - 1} more)" if len(bad) > 1 else ")"))
+        problem = f"--resume: cannot read {reading} ({e})"
+    _agreed(job, problem)
+    sizes = job.allgather_object(P)
+    if len(set(sizes)) > 1:
+        raise UsageError(
+            "--resume: the checkpoint's files were saved at different world sizes "
+            f"({', '.join(f'rank {r}: P={p}' for r, p in enumerate(sizes))}); not one run?"
+        )
+    if P == job.size:
+        return ck
+    from .elastic import folded_ranks
+
+    problem, need = None, folded_ranks(P, job.size, job.rank)
+    try:
+        states = {r: (ck if r == job.rank else load(r))["reducer"] for r in need}
+        ck["resize"] = (P, states or {0: ck["reducer"]})
+    except Exception as e:  # noqa: BLE001 - as above
+        problem = f"--resume: cannot read the checkpoints of ranks {need} ({e})"
+    _agreed(job, problem)
     return ck
 
 
@@ -478,12 +526,13 @@ def _check_paths(args, job) -> None:
     """Collective: every file option usable on every rank, else UsageError on every rank.
 
     Checked before training so that a typo ends the job at once, not at the first checkpoint or
-    after the last epoch: ``--resume`` exists for this rank, the directories of ``--out``
+    after the last epoch: ``--resume``'s file of rank 0 exists (every rank reads it when the
+    world size changed; :func:`_check_resume` checks the others), the directories of ``--out``
     (rank 0 writes it) and ``--checkpoint`` (every rank writes its own file) can be made.
     """
     problem = None
     try:
-        resume = None if args.resume is None else _ckpt_path(args.resume, job.rank)
+        resume = None if args.resume is None else _ckpt_path(args.resume, 0)
         if resume is not None and not resume.exists():
             problem = f"--resume: no checkpoint {resume}"
         elif args.out is not None and job.rank == 0:
@@ -729,7 +778,8 @@ def run(args, world) -> dict | None:
         A subclass of ValueError, on every rank before training: an option out of range or of
         the other task, ``--teams`` not dividing P, ``--heads`` not dividing ``--width``, or
         (checked collectively) a ``--resume`` checkpoint missing or unreadable on some rank or
-        saved with other run options (:data:`RUN_OPTIONS`, the world size), an ``--out`` /
+        saved with other run options (:data:`RUN_OPTIONS`; another world size is an elastic
+        resume, :func:`spardl.elastic.load_rank_states`, not an error), an ``--out`` /
         ``--checkpoint`` directory that cannot be made; with ``--task lm``, a ``--context``
         longer than the shortest text a window is drawn from minus 1, or over the memory bounds
         :data:`LM_MAX_CHARS` (--batch-size × --context) and :data:`LM_MAX_SCORES`
@@ -806,7 +856,20 @@ def run(args, world) -> dict | None:
         ck = resumed_ck  # loaded and checked against this run's options by _check_resume
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
-        (reducer if reducer is not None else hook_state).load_state_dict(ck["reducer"])
+        target = reducer if reducer is not None else hook_state
+        if "resize" in ck:
+            from .elastic import load_rank_states
+
+            P_saved, states = ck["resize"]
+            load_rank_states(target, states, P_saved)
+            if rank == 0:
+                print(
+                    f"spardl train: resumed at P={P} from a checkpoint of P={P_saved}: residuals "
+                    "folded, thresholds re-estimated (docs/reliability.md §4)",
+                    flush=True,
+                )
+        else:
+            target.load_state_dict(ck["reducer"])
         resumed = ck
         t_start -= ck.get("elapsed", 0.0)
 

@@ -126,6 +126,30 @@ def test_resume_equals_uninterrupted_bit_for_bit(one_epoch, runs):
         assert [h["loss"] for h in full["history"]] == [h["loss"] for h in res["history"]]
 
 
+def test_resume_at_another_world_size(one_epoch, runs):
+    """--resume under another -n (docs/reliability.md §4): the checkpoint of 2 ranks resumes at
+    3, rank 2 starting from rank 0's model and optimizer with no residual of its own, the
+    allreducer's step and the history carried over, and the run finishes its schedule."""
+    proc = run_mpi(
+        3,
+        [*COMMON, "--epochs", "2", "--resume", str(runs / "ck1"), "--checkpoint", str(runs / "p3")],
+        timeout=240,
+        env=ENV,
+    )
+    assert "resumed at P=3 from a checkpoint of P=2" in proc.stdout
+    old = [_load(runs / f"ck1.rank{r}.pt") for r in range(2)]
+    new = [_load(runs / f"p3.rank{r}.pt") for r in range(3)]
+    steps_per_epoch = {ck["options"]["world_size"]: ck["reducer"]["step"] for ck in old}
+    for ck in new:
+        assert ck["epoch"] == 2 and ck["options"]["world_size"] == 3
+        assert ck["history"][0]["loss"] == old[0]["history"][0]["loss"]  # from the checkpoint
+        assert ck["reducer"]["allreducer"]["world_size"] == 3
+        assert ck["reducer"]["step"] > steps_per_epoch[2]  # counted on from the checkpoint
+        for name, t in ck["model"].items():  # one model on every rank
+            assert torch.equal(t, new[0]["model"][name])
+    assert new[0]["history"][1]["test_accuracy"] > 0.1
+
+
 def test_ddp_hook_resume_equals_uninterrupted_bit_for_bit(runs):
     """--hook ddp: a fresh DDP after --resume (its first iteration in DDP's initial bucket
     order) continues bit for bit, as the reducer does."""
@@ -286,7 +310,13 @@ def test_lm_sizes_are_bounded_usage_errors(option, message):
         (2, ["--density", "0.5"], "saved with --density 0.01; this run has --density 0.5"),
         (2, ["--hook", "ddp"], "saved with --hook reducer; this run has --hook ddp"),
         (2, ["--algorithm", "topka"], "saved with --algorithm spardl"),
-        (1, [], "saved with P=2; this run has P=1"),
+        # At another world size (an elastic resume) the other options must match all the same:
+        # another algorithm, another n (the model's width).
+        (
+            1,
+            ["--algorithm", "topka", "--width", "5"],
+            "saved with --algorithm spardl, --width 4; this run has --algorithm topka, --width 5",
+        ),
     ],
 )
 def test_resume_with_other_run_options_is_a_usage_error(one_epoch, runs, P, option, message):
