@@ -22,6 +22,7 @@ MODULES = [
     "spardl.pingpong",
     "spardl.model_cli",
     "spardl.torch",
+    "spardl.elastic",
     "spardl.cli",
     "spardl.cluster",
     "spardl.lm",
