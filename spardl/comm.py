@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from spardl_kernels.cpu import wire as wire_codec
+
 from . import _arrays as A
 
 __all__ = [
@@ -47,8 +49,12 @@ __all__ = [
     "cuda_aware_reason",
     "new_stats",
     "pack_blocks",
+    "pack_wire",
     "unpack_blocks",
+    "unpack_wire",
+    "wire_capacity",
     "wire_index_dtype",
+    "WIRES",
 ]
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -371,6 +377,99 @@ def _unpack_device(buf, nblocks, starts, index_dtype, value_dtype):
     return out
 
 
+# -- wire formats ------------------------------------------------------------------------------
+
+#: The wire formats of sparse messages (docs/design.md §2.1): "coo" is :func:`pack_blocks`
+#: (counts, int32/int64 block-relative indices, values in the work dtype: bit for bit);
+#: "compact" is :mod:`spardl_kernels.cpu.wire` (delta-coded indices, 16-bit values).
+WIRES = ("coo", "compact")
+
+
+def pack_wire(blocks, starts, index_dtype, value_dtype, wire="coo"):
+    """Pack sparse blocks in the wire format ``wire``; also return what the receiver will read.
+
+    Parameters
+    ----------
+    blocks : sequence of (indices, values)
+        Per block, absolute int64 indices (strictly ascending) and their values (host or
+        device arrays).
+    starts : sequence of int
+        The first position of each block (indices travel block-relative).
+    index_dtype : numpy dtype
+        The "coo" index dtype (:func:`wire_index_dtype`); unused by "compact".
+    value_dtype : numpy dtype
+        The values' dtype (the work dtype: float32 or float64 for "compact").
+    wire : {"coo", "compact"}, default "coo"
+        The format.
+
+    Returns
+    -------
+    buf : uint8 array
+        The message. "coo": :func:`pack_blocks` (a device array for device blocks).
+        "compact": always a host array (device blocks are copied to the host to be encoded).
+    delivered : list of arrays
+        Per block, the values as every receiver decodes them, on the blocks' side (host or
+        device). For "coo" they are the given value arrays themselves (the same objects: a
+        caller tests ``delivered is values`` to know that nothing was rounded); for "compact"
+        new arrays, where the 16-bit values differ from the sent ones by the rounding.
+    """
+    if wire == "coo":
+        return pack_blocks(blocks, starts, index_dtype, value_dtype), [b[1] for b in blocks]
+    vdt = np.dtype(value_dtype)
+    dev = any(A.is_device(a) for b in blocks for a in b)
+    counts = np.array([int(b[0].shape[0]) for b in blocks], dtype=np.int64)
+    rel = np.empty(int(counts.sum()), np.int64)
+    vals = np.empty(rel.shape[0], vdt)
+    pos = 0
+    for (idx, val), start, c in zip(blocks, starts, counts.tolist(), strict=True):
+        if c:
+            np.subtract(A.to_host(idx), int(start), out=rel[pos : pos + c], casting="unsafe")
+            vals[pos : pos + c] = A.to_host(val)
+        pos += c
+    buf, dec = wire_codec.encode_blocks(rel, vals, counts)
+    ends = np.cumsum(counts).tolist()
+    delivered = [dec[e - c : e] for e, c in zip(ends, counts.tolist(), strict=True)]
+    if dev:
+        delivered = [A.to_device(d) for d in delivered]
+    return buf, delivered
+
+
+def unpack_wire(buf, nblocks, starts, index_dtype, value_dtype, wire="coo", device=False):
+    """Inverse of :func:`pack_wire`: a list of (int64 absolute indices, values) per block.
+
+    "coo" is :func:`unpack_blocks` (device arrays for a device ``buf``). "compact" decodes on
+    the host and, with ``device``, copies each block to the device.
+
+    Raises
+    ------
+    ValueError
+        If the message is corrupt or does not match its header.
+    """
+    if wire == "coo":
+        return unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype)
+    counts, rel, vals = wire_codec.decode_blocks(
+        np.ascontiguousarray(A.to_host(buf)), int(nblocks), value_dtype
+    )
+    out = []
+    pos = 0
+    for c, start in zip(counts.tolist(), starts, strict=True):
+        idx = rel[pos : pos + c]
+        idx += int(start)
+        pair = (idx, vals[pos : pos + c])
+        out.append((A.to_device(pair[0]), A.to_device(pair[1])) if device else pair)
+        pos += c
+    return out
+
+
+def wire_capacity(nblocks: int, max_pairs: int, index_dtype, value_dtype, wire="coo") -> int:
+    """Bytes needed to receive ``nblocks`` blocks holding at most ``max_pairs`` pairs in all,
+    in the wire format ``wire`` (:func:`packed_capacity` for "coo")."""
+    if wire == "coo":
+        return packed_capacity(nblocks, max_pairs, index_dtype, value_dtype)
+    isz = np.dtype(index_dtype).itemsize
+    return wire_codec.encoded_capacity(nblocks, max_pairs, isz, value_dtype)
+
+
 def _mpi_op(op: str):
     return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
 
@@ -571,6 +670,9 @@ class Comm:
         index_dtype,
         value_dtype,
         tag: int = 0,
+        *,
+        wire: str = "coo",
+        sent: list | None = None,
     ):
         """One packed sparse message each way: send blocks to ``dest``, receive from ``source``.
 
@@ -586,16 +688,34 @@ class Comm:
             Upper bound on the number of pairs in the received message.
         index_dtype, value_dtype : numpy dtype
             Wire dtypes (see :func:`wire_index_dtype`).
+        wire : {"coo", "compact"}, default "coo"
+            The wire format (:func:`pack_wire`); both sides must use the same.
+        sent : list, optional
+            Extended with one array per sent block: its values as the receiver decodes them
+            (for "coo" the sent value arrays themselves; see :func:`pack_wire`).
 
         Returns
         -------
         list of (int64 indices, values)
-            One pair per received block, in block order.
+            One pair per received block, in block order (device arrays when the sent blocks
+            are on the device).
         """
-        buf = pack_blocks(send_blocks, send_starts, index_dtype, value_dtype)
-        cap = packed_capacity(len(recv_starts), max_pairs, index_dtype, value_dtype)
+        if wire == "coo":
+            buf = pack_blocks(send_blocks, send_starts, index_dtype, value_dtype)
+            if sent is not None:
+                sent.extend(b[1] for b in send_blocks)
+            cap = packed_capacity(len(recv_starts), max_pairs, index_dtype, value_dtype)
+            got = self.sendrecv_bytes(buf, dest, source, cap, tag)
+            return unpack_blocks(got, len(recv_starts), recv_starts, index_dtype, value_dtype)
+        device = any(A.is_device(a) for b in send_blocks for a in b)
+        buf, delivered = pack_wire(send_blocks, send_starts, index_dtype, value_dtype, wire)
+        if sent is not None:
+            sent.extend(delivered)
+        cap = wire_capacity(len(recv_starts), max_pairs, index_dtype, value_dtype, wire)
         got = self.sendrecv_bytes(buf, dest, source, cap, tag)
-        return unpack_blocks(got, len(recv_starts), recv_starts, index_dtype, value_dtype)
+        return unpack_wire(
+            got, len(recv_starts), recv_starts, index_dtype, value_dtype, wire, device
+        )
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(

@@ -15,18 +15,72 @@ X = g + E_old and ``sent`` the (indices, values) this rank contributed, the mode
 
 Since ``sent`` holds X's own values at the sent positions, X[i] − sent[i] is exactly 0: the helpers
 zero those positions instead of subtracting, which is exact for every dtype (and for NaN).
+
+Quantisation under error feedback (``wire="compact"``, docs/design.md §2.1). A value v that a rank
+sends arrives as q = decoded(v), which may differ from v by the 16-bit rounding. The rank then
+keeps v − q (exact in the work dtype) where it would have kept 0: :func:`keep_remainder`, called
+by each algorithm where it sends, once for every value it encodes. With "coo" q is v itself
+(the same array object) and the helper does nothing, so results are bit for bit those of before.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from spardl_kernels import coalesce
+from spardl_kernels import coalesce, scatter_add
 
 from .. import _arrays as A
-from ..comm import pack_blocks, unpack_blocks, wire_index_dtype
+from ..comm import pack_wire, unpack_wire, wire_index_dtype
 
-__all__ = ["error_feedback", "sent_reached", "allgather_sum"]
+__all__ = ["error_feedback", "sent_reached", "allgather_sum", "keep_remainder"]
+
+
+def keep_remainder(target, indices, sent, delivered, mode="global", members=None):
+    """Keep in ``target`` what the wire did not deliver: ``target[i] += sent − delivered``.
+
+    Parameters
+    ----------
+    target : ndarray of shape (n,), the work dtype
+        The sender's residual (or partial sums that become it), modified in place.
+    indices : int64 array of shape (m,), strictly ascending
+        The absolute coordinates of the values sent.
+    sent : ndarray of shape (m,)
+        The values as they were encoded.
+    delivered : ndarray of shape (m,)
+        The values as every receiver decodes them (:func:`spardl.comm.pack_wire`). When it is
+        ``sent`` itself ("coo": nothing rounded) nothing is done.
+    mode : {"global", "local", "none"}, default "global"
+        The residual mode; "none" keeps nothing.
+    members : int64 array, strictly ascending, optional
+        Keep only at the coordinates in ``members`` (gtopk: the final output's).
+
+    Returns
+    -------
+    ndarray
+        ``target``.
+
+    Notes
+    -----
+    The difference is computed in the work dtype, where it is exact (a 16-bit value of the
+    compact format is v rounded within its binade, so v − q needs no rounding; docs/design.md
+    §2.1), and added with ``scatter_add``: at a coordinate the sender zeroed, the remainder
+    itself. On the host for device arrays (O(m) copies both ways; compact messages are staged
+    through the host anyway).
+    """
+    if delivered is sent or mode == "none" or len(indices) == 0:
+        return target
+    dev = A.is_device(target)
+    rem = A.to_host(sent) - A.to_host(delivered)
+    idx = A.to_host(indices)
+    if members is not None:
+        hit = sent_reached(idx, A.to_host(members))
+        idx, rem = idx[hit], rem[hit]
+    nz = (rem != 0) & np.isfinite(rem)  # a non-finite value travels raw: nothing to keep
+    if not np.all(nz):
+        idx, rem = idx[nz], rem[nz]
+    if len(idx):
+        scatter_add(target, A.like(idx, dev), A.like(rem, dev))
+    return target
 
 
 def sent_reached(sent_indices: np.ndarray, out_indices: np.ndarray) -> np.ndarray:
@@ -95,7 +149,13 @@ def error_feedback(
 
 
 def allgather_sum(
-    comm, indices: np.ndarray, values: np.ndarray, n: int, equal_counts: bool
+    comm,
+    indices: np.ndarray,
+    values: np.ndarray,
+    n: int,
+    equal_counts: bool,
+    wire: str = "coo",
+    sent: list | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """All-gather every rank's sparse vector and sum them in rank order 0 … P−1.
 
@@ -111,7 +171,13 @@ def allgather_sum(
         Vector length (decides the wire index dtype: int32 below 2^31).
     equal_counts : bool
         Every rank sends the same m (TopkA: m = k). Then the packed buffers have equal sizes and
-        one ``allgather`` replaces the two collectives (sizes, data) of an ``allgatherv``.
+        one ``allgather`` replaces the two collectives (sizes, data) of an ``allgatherv``
+        ("coo" only: compact messages differ in size).
+    wire : {"coo", "compact"}, default "coo"
+        The wire format (:func:`spardl.comm.pack_wire`).
+    sent : list, optional
+        Appended with this rank's values as every rank decodes them (``values`` itself for
+        "coo", and at P = 1, where nothing is sent).
 
     Returns
     -------
@@ -126,17 +192,21 @@ def allgather_sum(
     messages (the size all-gather, then the data).
     """
     if comm.size == 1:
+        if sent is not None:
+            sent.append(values)
         return indices, values
     idt = wire_index_dtype(n)
     vdt = np.dtype(values.dtype)
     dev = A.is_device(values)
-    buf = pack_blocks([(indices, values)], [0], idt, vdt)
-    if equal_counts:
+    buf, delivered = pack_wire([(indices, values)], [0], idt, vdt, wire)
+    if sent is not None:
+        sent.extend(delivered)
+    if equal_counts and wire == "coo":
         everyone = comm.allgather_array(buf)
         rows = [everyone[q] for q in range(comm.size)]
     else:
         rows = comm.allgatherv_bytes(buf)
-    parts = [unpack_blocks(row, 1, [0], idt, vdt)[0] for row in rows]
+    parts = [unpack_wire(row, 1, [0], idt, vdt, wire, dev)[0] for row in rows]
     cat_i = A.concat([p[0] for p in parts], np.int64, dev)
     cat_v = A.concat([p[1] for p in parts], vdt, dev)
     return coalesce(cat_i, cat_v)

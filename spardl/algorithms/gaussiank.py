@@ -17,7 +17,7 @@ from spardl_kernels import count_above, select_above, topk_abs
 
 from .._checks import check_int
 from .base import Allreducer, Reduced
-from .common import allgather_sum, error_feedback
+from .common import allgather_sum, error_feedback, keep_remainder
 
 #: The band of accepted counts, as fractions of k: a count in [LOW·k, HIGH·k] stops the correction.
 LOW, HIGH = 2.0 / 3.0, 4.0 / 3.0
@@ -148,6 +148,10 @@ class Gaussiank(Allreducer):
             else:
                 idx, val = select_above(x, t)
             self.stats["selected"] += len(idx)
+        sent = []
         with self.comm.phase("allgather"):
-            out_i, out_v = allgather_sum(self.comm, idx, val, self.n, equal_counts=False)
-        return Reduced(out_i, out_v, error_feedback(x, idx, self.residual_mode))
+            out_i, out_v = allgather_sum(
+                self.comm, idx, val, self.n, equal_counts=False, wire=self.wire, sent=sent
+            )
+        res = error_feedback(x, idx, self.residual_mode)
+        return Reduced(out_i, out_v, keep_remainder(res, idx, val, sent[0], self.residual_mode))

@@ -13,9 +13,17 @@ import numpy as np
 from spardl_kernels import merge_add, topk_abs
 
 from .. import _arrays as A
-from ..comm import pack_blocks, packed_capacity, unpack_blocks, wire_index_dtype
+from ..comm import (
+    pack_blocks,
+    pack_wire,
+    packed_capacity,
+    unpack_blocks,
+    unpack_wire,
+    wire_capacity,
+    wire_index_dtype,
+)
 from .base import Allreducer, Reduced
-from .common import error_feedback
+from .common import error_feedback, keep_remainder
 
 _MASS = np.dtype(np.float64)  # the dropped-mass word that prefixes every message
 
@@ -72,14 +80,25 @@ class GTopk(Allreducer):
         self.wire_index = wire_index_dtype(self.n)
         self.stats.setdefault("dropped_mass", 0.0)
 
-    def _pack(self, mass, idx, val):
+    def _pack(self, mass, idx, val, sent=None):
+        """The message (mass word, then the pairs); ``sent`` gets the values as decoded."""
         head = np.array([mass], dtype=_MASS).view(np.uint8)
-        body = pack_blocks([(idx, val)], [0], self.wire_index, val.dtype)
+        if self.wire == "coo":
+            body = pack_blocks([(idx, val)], [0], self.wire_index, val.dtype)
+            delivered = [val]
+        else:
+            body, delivered = pack_wire([(idx, val)], [0], self.wire_index, val.dtype, self.wire)
+        if sent is not None:
+            sent.append((idx, val, delivered[0]))
         return A.concat([head, body], np.uint8, A.is_device(body))
 
-    def _unpack(self, buf, vdt):
+    def _unpack(self, buf, vdt, dev=False):
         mass = float(A.to_host(buf[: _MASS.itemsize]).view(_MASS)[0])
-        idx, val = unpack_blocks(buf[_MASS.itemsize :], 1, [0], self.wire_index, vdt)[0]
+        if self.wire == "coo":
+            idx, val = unpack_blocks(buf[_MASS.itemsize :], 1, [0], self.wire_index, vdt)[0]
+        else:
+            body = buf[_MASS.itemsize :]
+            idx, val = unpack_wire(body, 1, [0], self.wire_index, vdt, self.wire, dev)[0]
         return mass, idx, val
 
     def _first_selection(self):
@@ -91,17 +110,19 @@ class GTopk(Allreducer):
         with self.comm.phase("select"):
             sent_i, sent_v = self._preselected(0, k) or topk_abs(x, k)
         idx, val, mass = sent_i, sent_v, 0.0
-        cap = _MASS.itemsize + packed_capacity(1, k, self.wire_index, x.dtype)
+        coo = self.wire == "coo"
+        cap = _MASS.itemsize + wire_capacity(1, k, self.wire_index, x.dtype, self.wire)
+        mine = []  # (indices, values, delivered) of this rank's one send
         with self.comm.phase("reduce"):
             for j in range(tree_rounds(P)):
                 d = 1 << j
                 if r % (2 * d) == d:
-                    self.comm.send_bytes(self._pack(mass, idx, val), r - d)
+                    self.comm.send_bytes(self._pack(mass, idx, val, mine), r - d)
                     break
                 if r + d >= P:
                     continue  # no partner this round: pass through
-                got = self.comm.recv_bytes(r + d, cap, device=dev)
-                got_mass, got_i, got_v = self._unpack(got, x.dtype)
+                got = self.comm.recv_bytes(r + d, cap, device=dev and coo)
+                got_mass, got_i, got_v = self._unpack(got, x.dtype, dev)
                 mi, mv = merge_add(idx, val, got_i, got_v)
                 pos, val = topk_abs(mv, k)
                 idx = A.take(mi, pos)
@@ -111,12 +132,17 @@ class GTopk(Allreducer):
                 mass += got_mass + float(np.sum(np.abs(mv_h[~keep]), dtype=np.float64))
         if P > 1:
             with self.comm.phase("bcast"):
-                if r == 0:
-                    buf = self._pack(mass, idx, val)
+                if not coo:  # sizes vary: the size first (bcast_bytes, 2 messages)
+                    buf = self._pack(mass, idx, val, mine) if r == 0 else None
+                    got = self.comm.bcast_bytes(buf, 0)
+                elif r == 0:
+                    got = self.comm.bcast(self._pack(mass, idx, val), 0)
                 else:
                     size = _MASS.itemsize + packed_capacity(1, k, self.wire_index, x.dtype)
-                    buf = A.empty(size, np.uint8, dev)
-                mass, idx, val = self._unpack(self.comm.bcast(buf, 0), x.dtype)
+                    got = self.comm.bcast(A.empty(size, np.uint8, dev), 0)
+                mass, idx, val = self._unpack(got, x.dtype, dev)
         self.stats["dropped_mass"] += mass
         res = error_feedback(x, sent_i, self.residual_mode, out_indices=idx)
+        for i, v, q in mine:  # what the wire rounded, where it reached the output
+            keep_remainder(res, i, v, q, self.residual_mode, members=idx)
         return Reduced(idx, val, res)

@@ -21,9 +21,10 @@ import spardl_kernels as K
 
 from .. import _arrays as A
 from .._checks import check_int
-from ..comm import pack_blocks, unpack_blocks, wire_index_dtype
+from ..comm import pack_blocks, pack_wire, unpack_blocks, unpack_wire, wire_index_dtype
 from ..selection import make_selector
 from .base import Allreducer, Reduced
+from .common import keep_remainder
 
 __all__ = ["OkTopk"]
 
@@ -135,7 +136,8 @@ class OkTopk(Allreducer):
             bounds = self.bounds
             if bounds is None or self.step % self.tau == 0:
                 bounds = self._space_repartition(sel_idx)
-            red_idx, red_val = self._split_and_reduce(sel_idx, sel_val, bounds)
+            sent = []  # (indices, values, decoded) of the pieces sent to the owners
+            red_idx, red_val = self._split_and_reduce(sel_idx, sel_val, bounds, sent)
         with self.comm.phase("global_threshold"):
             th = self.global_threshold
             if self.k == self.n:
@@ -144,12 +146,22 @@ class OkTopk(Allreducer):
                 th = self._global_threshold(red_val)
             keep_idx, keep_val = K.select_above(red_val, th)
             keep_idx = A.take(red_idx, keep_idx)
+        forwarded = []  # the same, of the reduced entries this rank sends on
         with self.comm.phase("balance"):
-            counts, bal_idx, bal_val = self._balance(keep_idx, keep_val)
+            counts, bal_idx, bal_val = self._balance(keep_idx, keep_val, forwarded)
         with self.comm.phase("allgather"):
-            out_idx, out_val = self._allgather(bal_idx, bal_val, counts)
+            out_idx, out_val = self._allgather(bal_idx, bal_val, counts, forwarded)
 
         residual = self._residual_after(x, sel_idx, sel_val, out_idx)
+        # What the wire rounded off stays here ("compact"; nothing for "coo"): a selected
+        # entry's where it counted (all of X stays where it did not), and the whole remainder
+        # of every reduced entry forwarded (they all reach the output).
+        mode = self.residual_mode
+        reached = out_idx if mode == "global" else None
+        for i, v, q in sent:
+            keep_remainder(residual, i, v, q, mode, members=reached)
+        for i, v, q in forwarded:
+            keep_remainder(residual, i, v, q, mode)
         # A step the base class does not apply (non-finite output) is rolled back there.
         self.bounds = bounds
         self.global_threshold = self._nudge(th, int(counts.sum()))
@@ -165,8 +177,9 @@ class OkTopk(Allreducer):
         total = self.comm.allreduce(mine.astype(np.int64), "sum")
         return total // self.P
 
-    def _split_and_reduce(self, sel_idx, sel_val, bounds):
-        """Send region j's selected entries to rank j; return this rank's reduced region."""
+    def _split_and_reduce(self, sel_idx, sel_val, bounds, sent=None):
+        """Send region j's selected entries to rank j; return this rank's reduced region.
+        ``sent`` gets (indices, values, decoded values) of every piece sent."""
         P, r = self.P, self.rank
         offs = A.to_host(K.block_offsets(sel_idx, bounds))
 
@@ -180,6 +193,7 @@ class OkTopk(Allreducer):
         cap = min(self.selector.max_count(self.k), int(lengths[r]))
         for i in range(1, P):
             dest, src = (r + i) % P, (r - i) % P
+            delivered = []
             (parts[src],) = self.comm.exchange_blocks(
                 dest,
                 [region(dest)],
@@ -189,7 +203,11 @@ class OkTopk(Allreducer):
                 cap,
                 wire,
                 sel_val.dtype,
+                wire=self.wire,
+                sent=delivered,
             )
+            if sent is not None:
+                sent.append((*region(dest), delivered[0]))
         # Sum in rank order so the result does not depend on the rotation.
         dev = A.is_device(sel_val)
         return K.coalesce(
@@ -210,9 +228,10 @@ class OkTopk(Allreducer):
         # NaN data gives a NaN threshold; 0 keeps every reduced entry (NaN included).
         return th if math.isfinite(th) else 0.0
 
-    def _balance(self, keep_idx, keep_val):
+    def _balance(self, keep_idx, keep_val, sent=None):
         """Redistribute the kept entries (in global index order) evenly: rank q gets positions
-        uniform_bounds(M, P)[q] … [q+1] of their concatenation over owners 0 … P−1."""
+        uniform_bounds(M, P)[q] … [q+1] of their concatenation over owners 0 … P−1.
+        ``sent`` gets (indices, values, decoded values) of every piece sent."""
         P, r = self.P, self.rank
         if P == 1:
             return np.array([keep_idx.shape[0]], np.int64), keep_idx, keep_val
@@ -234,9 +253,21 @@ class OkTopk(Allreducer):
         for i in range(1, P):
             dest, src = (r + i) % P, (r - i) % P
             a, b = overlap(src, r)
+            delivered = []
             (parts[src],) = self.comm.exchange_blocks(
-                dest, [piece(dest)], [0], src, [0], b - a, wire, keep_val.dtype
+                dest,
+                [piece(dest)],
+                [0],
+                src,
+                [0],
+                b - a,
+                wire,
+                keep_val.dtype,
+                wire=self.wire,
+                sent=delivered,
             )
+            if sent is not None:
+                sent.append((*piece(dest), delivered[0]))
         # Owners' segments are consecutive in index order, so rank order keeps indices sorted.
         dev = A.is_device(keep_val)
         return (
@@ -245,11 +276,26 @@ class OkTopk(Allreducer):
             A.concat([p[1] for p in parts], keep_val.dtype, dev),
         )
 
-    def _allgather(self, bal_idx, bal_val, counts):
-        """Every rank gets every kept entry: one all-gather of equal-size padded chunks."""
+    def _allgather(self, bal_idx, bal_val, counts, sent=None):
+        """Every rank gets every kept entry: one all-gather of equal-size padded chunks
+        ("compact": an all-gatherv of the chunks as they are, whose encoded sizes differ;
+        ``sent`` gets (indices, values, decoded values) of this rank's chunk)."""
         P = self.P
         if P == 1:
             return bal_idx, bal_val
+        if self.wire != "coo":
+            dev = A.is_device(bal_val)
+            vdt = np.dtype(bal_val.dtype)
+            idt = wire_index_dtype(self.n)
+            buf, delivered = pack_wire([(bal_idx, bal_val)], [0], idt, vdt, self.wire)
+            if sent is not None:
+                sent.append((bal_idx, bal_val, delivered[0]))
+            rows = self.comm.allgatherv_bytes(buf)
+            chunks = [unpack_wire(row, 1, [0], idt, vdt, self.wire, dev)[0] for row in rows]
+            return (
+                A.concat([c[0] for c in chunks], np.int64, dev),
+                A.concat([c[1] for c in chunks], vdt, dev),
+            )
         M = int(counts.sum())
         sizes = np.diff(K.uniform_bounds(M, P))
         c_max = int(sizes.max(initial=0))

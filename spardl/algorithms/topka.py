@@ -13,7 +13,7 @@ import numpy as np
 from spardl_kernels import topk_abs
 
 from .base import Allreducer, Reduced
-from .common import allgather_sum, error_feedback
+from .common import allgather_sum, error_feedback, keep_remainder
 
 
 class TopkA(Allreducer):
@@ -35,7 +35,8 @@ class TopkA(Allreducer):
        concatenation), so the result is bit-identical on every rank.
 
     Cost: 1 message; received k(P−1)·(isz + vsz) bytes, isz = 4 (int32 indices below 2^31),
-    vsz = the work dtype's size (float32 for float16 gradients).
+    vsz = the work dtype's size (float32 for float16 gradients). With ``wire="compact"`` the
+    buffers differ in size, so an all-gatherv (2 messages) carries them.
 
     Residual: everything sent reaches the output, so ``residual="global"`` and ``"local"`` both
     give E_new = X with the selected coordinates zeroed, and the conservation invariant holds.
@@ -50,6 +51,10 @@ class TopkA(Allreducer):
     def _reduce(self, x: np.ndarray) -> Reduced:
         with self.comm.phase("select"):
             idx, val = self._preselected(0, self.k) or topk_abs(x, self.k)
+        sent = []
         with self.comm.phase("allgather"):
-            out_i, out_v = allgather_sum(self.comm, idx, val, self.n, equal_counts=True)
-        return Reduced(out_i, out_v, error_feedback(x, idx, self.residual_mode))
+            out_i, out_v = allgather_sum(
+                self.comm, idx, val, self.n, equal_counts=True, wire=self.wire, sent=sent
+            )
+        res = error_feedback(x, idx, self.residual_mode)
+        return Reduced(out_i, out_v, keep_remainder(res, idx, val, sent[0], self.residual_mode))

@@ -16,9 +16,9 @@ import numpy as np
 from spardl_kernels import block_offsets, merge_add, scatter_add, topk_abs, uniform_bounds
 
 from .. import _arrays as A
-from ..comm import pack_blocks, unpack_blocks, wire_index_dtype
+from ..comm import pack_blocks, pack_wire, unpack_blocks, unpack_wire, wire_index_dtype
 from .base import Allreducer, Reduced
-from .common import error_feedback
+from .common import error_feedback, keep_remainder
 
 _SPARSE, _DENSE = 0, 1
 
@@ -91,14 +91,19 @@ class TopkDSA(Allreducer):
             idx, val = topk_abs(x, self.k)
         # pairs of region b: offs[b] … offs[b+1]−1 (P+1 host integers, also for device idx)
         offs = A.to_host(block_offsets(idx, self.bounds))
+        kept = []  # (indices, values, decoded) of every message sent: their rounding stays here
         with self.comm.phase("reduce_scatter"):
-            region = self._reduce_region(idx, val, offs)
+            region = self._reduce_region(idx, val, offs, kept)
         with self.comm.phase("allgather"):
-            out_i, out_v = self._allgather_regions(region, np.dtype(x.dtype), A.is_device(x))
-        return Reduced(out_i, out_v, error_feedback(x, idx, self.residual_mode))
+            out_i, out_v = self._allgather_regions(region, np.dtype(x.dtype), A.is_device(x), kept)
+        res = error_feedback(x, idx, self.residual_mode)
+        for i, v, q in kept:
+            keep_remainder(res, i, v, q, self.residual_mode)
+        return Reduced(out_i, out_v, res)
 
-    def _reduce_region(self, idx, val, offs):
-        """This rank's region r summed over all ranks: ("sparse", idx, val) or ("dense", values)."""
+    def _reduce_region(self, idx, val, offs, kept=None):
+        """This rank's region r summed over all ranks: ("sparse", idx, val) or ("dense", values).
+        ``kept`` gets (indices, values, decoded values) of every piece sent."""
         P, r, bounds = self.P, self.rank, self.bounds
         start, stop = int(bounds[r]), int(bounds[r + 1])
         length = stop - start
@@ -113,16 +118,22 @@ class TopkDSA(Allreducer):
             if s == P:
                 break
             dest, source = (r + s) % P, (r - s) % P
+            piece = (idx[offs[dest] : offs[dest + 1]], val[offs[dest] : offs[dest + 1]])
+            sent = []
             got_i, got_v = self.comm.exchange_blocks(
                 dest,
-                [(idx[offs[dest] : offs[dest + 1]], val[offs[dest] : offs[dest + 1]])],
+                [piece],
                 [int(bounds[dest])],
                 source,
                 [start],
                 min(self.k, length),
                 self.wire_index,
                 val.dtype,
+                wire=self.wire,
+                sent=sent,
             )[0]
+            if kept is not None:
+                kept.append((*piece, sent[0]))
             if dense is not None:
                 scatter_add(dense, A.shift(got_i, -start), got_v)
             else:
@@ -132,23 +143,43 @@ class TopkDSA(Allreducer):
             return (_DENSE, dense)
         return (_SPARSE, acc_i, acc_v)
 
-    def _allgather_regions(self, region, vdt, dev=False):
-        """All-gather the reduced regions; returns the concatenated (indices, values)."""
+    def _allgather_regions(self, region, vdt, dev=False, kept=None):
+        """All-gather the reduced regions; returns the concatenated (indices, values).
+        ``kept`` gets (indices, values, decoded values) of this rank's region."""
         P, bounds, idt = self.P, self.bounds, self.wire_index
         r = self.rank
-        if region[0] == _DENSE:
+        wire = self.wire if P > 1 else "coo"  # nothing is sent at P = 1: nothing to round
+        if wire != "coo":
+            # A dense region is the block of all its coordinates (the compact format sends no
+            # index bytes for it); both forms come back as (indices, values).
+            start, stop = int(bounds[r]), int(bounds[r + 1])
+            if region[0] == _DENSE:
+                pair = (A.shift(A.arange(stop - start, dev), start), region[1])
+            else:
+                pair = (region[1], region[2])
+            payload, delivered = pack_wire([pair], [start], idt, vdt, wire)
+            if kept is not None:
+                kept.append((*pair, delivered[0]))
+            dev_payload = False
+        elif region[0] == _DENSE:
             payload = region[1].view(np.uint8)
+            dev_payload = dev
         else:
             payload = pack_blocks([(region[1], region[2])], [int(bounds[r])], idt, vdt)
+            dev_payload = dev
         flag = np.array([region[0]], dtype=np.int64).view(np.uint8)
-        buf = A.concat([flag, payload], np.uint8, dev)
+        buf = A.concat([flag, payload], np.uint8, dev_payload)
         rows = self.comm.allgatherv_bytes(buf) if P > 1 else [buf]
         parts_i, parts_v = [], []
         for b, row in enumerate(rows):
             start, stop = int(bounds[b]), int(bounds[b + 1])
             kind = int(A.to_host(row[:8]).view(np.int64)[0])
             body = A.aligned(row[8:])
-            if kind == _DENSE:
+            if wire != "coo":
+                bi, bv = unpack_wire(body, 1, [start], idt, vdt, wire, dev)[0]
+                parts_i.append(bi)
+                parts_v.append(bv)
+            elif kind == _DENSE:
                 parts_i.append(A.shift(A.arange(stop - start, dev), start))
                 parts_v.append(A.copy(body.view(vdt)))
             else:
