@@ -351,6 +351,11 @@ def _prepare(obj, states, world_size):
         raise ValueError(f"the states of old rank(s) {missing} are missing on this rank")
     if P == comm.size:
         return "same", states[comm.rank]
+    if _kind(obj) == "torch":  # torch.load's tensors as NumPy arrays, for the sums below
+        from .torch import from_torch_state
+
+        used = need or sorted(states)[:1]
+        states = {r: from_torch_state(states[r]) for r in used}
     if need:
         template = states[need[0]]
     elif states:

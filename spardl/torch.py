@@ -611,7 +611,8 @@ class _Core:
             raise ValueError(
                 f"state was saved with world_size="
                 f"{saved.get('world_size') if isinstance(saved, dict) else None!r}, "
-                f"this one has {self.comm.size}"
+                f"this one has {self.comm.size} (spardl.elastic loads the states of every "
+                "rank at another world size)"
             )
         velocity = state.get("velocity")
         if velocity and self.tech.momentum is None:
