@@ -24,8 +24,10 @@ from .select import (
     _low_bit,
     _sample_position,
     _topk_into,
+    _window_buffers,
     _window_finish,
     _window_sample_size,
+    _window_take,
 )
 
 
@@ -58,17 +60,15 @@ def _sample_sums(g, e, start, stop, s, nan_key, mask, key_dtype):
 def _accumulate_window(g, e, x, xb, start, stop, k, mask, nan_key, lo, hi, cap):
     """x[start:stop] = g + e, and the window pass of the top k of that block on the way.
 
-    Returns (ok, n_def, definite, m, cand_idx, cand_key) as the window pass does (indices
-    relative to start). The sum is always completed; collecting stops once the window missed.
+    Returns (ok, n_def, m, found) as the window pass does (indices relative to start). The sum
+    is always completed; collecting stops once the window missed.
     """
     gp = g[start:stop]
     ep = e[start:stop]
     xp = x[start:stop]
     bp = xb[start:stop]  # the same memory as xp, as integers
     n = stop - start
-    definite = np.empty(k, np.int64)
-    cand_idx = np.empty(cap, np.int64)
-    cand_key = np.empty(cap, np.int64)
+    found = _window_buffers(k, cap, bp.dtype)
     mask_t = bp.dtype.type(mask)
     lo_t = bp.dtype.type(lo)
     j = 0
@@ -84,24 +84,10 @@ def _accumulate_window(g, e, x, xb, start, stop, k, mask, nan_key, lo, hi, cap):
             for i in range(s, n):
                 xp[i] = gp[i] + ep[i]
             m = _hit_mask(bp, s, n, lo_t, mask_t) if ok else np.uint64(0)
-        while m:
+        while m and ok:
             l, m = _low_bit(m)
-            key = _key(bp[s + l], mask, nan_key)
-            if key > hi:
-                if j == k:
-                    ok = False
-                    break
-                definite[j] = s + l
-                j += 1
-            else:
-                if c == cap:
-                    ok = False
-                    break
-                cand_idx[c] = s + l
-                cand_key[c] = key
-                c += 1
-    ok = ok and j < k and j + c >= k
-    return ok, j, definite, c, cand_idx, cand_key
+            j, c, ok = _window_take(found, s + l, bp[s + l], mask, nan_key, hi, k, cap, j, c)
+    return ok and j < k and j + c >= k, j, c, found
 
 
 def accumulate_topk(g, e, ks, bounds, *, out=None):
@@ -198,14 +184,11 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
             keys = _sample_sums(g, e, lo_b, hi_b, s, nan_key, mask, xb.dtype)
             lo, hi, cap = _bracket(keys, length, k, nan_key, config.WINDOW_SIGMAS)
             if lo != 0 and cap <= length // 4:
-                ok, n_def, definite, m, cand_idx, cand_key = _accumulate_window(
+                ok, n_def, m, found = _accumulate_window(
                     g, e, x, xb, lo_b, hi_b, k, mask, nan_key, lo, hi, cap
                 )
                 if ok:
-                    _window_finish(
-                        xb[lo_b:hi_b], k, nan_key, digits, lanes, cutoff, n_def, definite,
-                        m, cand_idx, cand_key, sel_i, sel_v,
-                    )  # fmt: skip
+                    _window_finish(k, nan_key, digits, lanes, cutoff, n_def, m, found, sel_i, sel_v)
                     sel_i += lo_b
                     continue
                 done = True  # summed, but the window missed

@@ -102,33 +102,36 @@ def _refine(cand_key, m, bucket, shift, digits, need):
 
 
 @njit(**JIT)
-def _finish_topk(bits, k, definite, n_def, cand_idx, cand_key, m, T, ties, out_idx, out_bits):
+def _finish_topk(
+    k, definite, def_bits, n_def, cand_idx, cand_key, cand_bits, m, T, ties, out_idx, out_bits
+):  # fmt: skip
     """Write the top k: the ascending `definite[:n_def]` (keys above the candidates' range)
-    merged with the candidates whose key > T plus the first `ties` with key == T."""
+    merged with the candidates whose key > T plus the first `ties` with key == T. Every
+    index comes with its value's bits, collected by the pass that found it, so nothing is read
+    back from x (a gather at k scattered positions of x costs a cache miss each)."""
     chosen = np.empty(k - n_def, np.int64)
+    chosen_bits = np.empty(k - n_def, cand_bits.dtype)
     q = 0
     for c in range(m):
         key = cand_key[c]
-        if key > T:
+        if key > T or (key == T and ties > 0):
+            ties -= key == T
             chosen[q] = cand_idx[c]
+            chosen_bits[q] = cand_bits[c]
             q += 1
-        elif key == T and ties > 0:
-            chosen[q] = cand_idx[c]
-            q += 1
-            ties -= 1
     # merge the two ascending lists
     a = 0
     q = 0
     nq = chosen.shape[0]
     for o in range(k):
         if q >= nq or (a < n_def and definite[a] < chosen[q]):
-            i = definite[a]
+            out_idx[o] = definite[a]
+            out_bits[o] = def_bits[a]
             a += 1
         else:
-            i = chosen[q]
+            out_idx[o] = chosen[q]
+            out_bits[o] = chosen_bits[q]
             q += 1
-        out_idx[o] = i
-        out_bits[o] = bits[i]
 
 
 @njit(**JIT)
@@ -148,22 +151,29 @@ def _radix_topk(bits, k, mask, nan_key, digits, lanes, out_idx, out_bits):
     bucket, n_def = _walk_down(total, k)
     m = total[bucket]
     definite = np.empty(n_def, np.int64)
+    def_bits = np.empty(n_def, bits.dtype)
     cand_idx = np.empty(m, np.int64)
     cand_key = np.empty(m, np.int64)
+    cand_bits = np.empty(m, bits.dtype)
     j = 0
     c = 0
     for i in range(n):
-        key = _key(bits[i], mask, nan_key)
+        v = bits[i]
+        key = _key(v, mask, nan_key)
         top = key >> shift
         if top > bucket:
             definite[j] = i
+            def_bits[j] = v
             j += 1
         elif top == bucket:
             cand_idx[c] = i
             cand_key[c] = key
+            cand_bits[c] = v
             c += 1
     T, ties = _refine(cand_key, m, bucket, shift, digits, k - n_def)
-    _finish_topk(bits, k, definite, n_def, cand_idx, cand_key, m, T, ties, out_idx, out_bits)
+    _finish_topk(
+        k, definite, def_bits, n_def, cand_idx, cand_key, cand_bits, m, T, ties, out_idx, out_bits
+    )
 
 
 @njit(**JIT)
@@ -240,13 +250,12 @@ def _low_bit(m):
 @njit(**JIT)
 def _window_pass(bits, k, mask, nan_key, lo, hi, cap):
     """One pass over x: indices with key > hi ("definite"), and (index, key) with lo <= key <= hi
-    ("candidates"). Returns (ok, n_def, definite, m, cand_idx, cand_key); ok is False (stop
-    early) when the window missed: k or more keys above hi, or more than cap candidates.
+    ("candidates"), each with its bits. Returns (ok, n_def, m, found) with found = (definite,
+    def_bits, cand_idx, cand_key, cand_bits); ok is False (stop early) when the window missed:
+    k or more keys above hi, or more than cap candidates.
     """
     n = bits.shape[0]
-    definite = np.empty(k, np.int64)
-    cand_idx = np.empty(cap, np.int64)
-    cand_key = np.empty(cap, np.int64)
+    found = _window_buffers(k, cap, bits.dtype)
     mask_t = bits.dtype.type(mask)
     lo_t = bits.dtype.type(lo)
     j = 0
@@ -256,21 +265,42 @@ def _window_pass(bits, k, mask, nan_key, lo, hi, cap):
         m = _hit_mask(bits, s, n, lo_t, mask_t)
         while m:
             l, m = _low_bit(m)
-            i = s + l
-            key = _key(bits[i], mask, nan_key)
-            if key > hi:
-                if j == k:
-                    return False, j, definite, c, cand_idx, cand_key
-                definite[j] = i
-                j += 1
-            else:
-                if c == cap:
-                    return False, j, definite, c, cand_idx, cand_key
-                cand_idx[c] = i
-                cand_key[c] = key
-                c += 1
-    ok = j < k and j + c >= k
-    return ok, j, definite, c, cand_idx, cand_key
+            j, c, ok = _window_take(found, s + l, bits[s + l], mask, nan_key, hi, k, cap, j, c)
+            if not ok:
+                return False, j, c, found
+    return j < k and j + c >= k, j, c, found
+
+
+@njit(inline="always", **JIT)
+def _window_buffers(k, cap, bits_dtype):
+    """(definite, def_bits, cand_idx, cand_key, cand_bits) of a window pass."""
+    return (
+        np.empty(k, np.int64),
+        np.empty(k, bits_dtype),
+        np.empty(cap, np.int64),
+        np.empty(cap, np.int64),
+        np.empty(cap, bits_dtype),
+    )
+
+
+@njit(inline="always", **JIT)
+def _window_take(found, i, v, mask, nan_key, hi, k, cap, j, c):
+    """File entry i (bits v, key >= lo) as definite (key > hi) or as a candidate; returns the new
+    counts (j, c) and False when it does not fit (the window missed)."""
+    definite, def_bits, cand_idx, cand_key, cand_bits = found
+    key = _key(v, mask, nan_key)
+    if key > hi:
+        if j == k:
+            return j, c, False
+        definite[j] = i
+        def_bits[j] = v
+        return j + 1, c, True
+    if c == cap:
+        return j, c, False
+    cand_idx[c] = i
+    cand_key[c] = key
+    cand_bits[c] = v
+    return j, c + 1, True
 
 
 @njit(**JIT)
@@ -288,31 +318,27 @@ def _window_topk(bits, k, mask, nan_key, digits, lanes, cutoff, s, sigmas, out_i
     lo, hi, cap = _sample_window(bits, k, mask, nan_key, s, sigmas)
     if lo == 0 or cap > bits.shape[0] // 4:
         return False
-    ok, n_def, definite, m, cand_idx, cand_key = _window_pass(bits, k, mask, nan_key, lo, hi, cap)
+    ok, n_def, m, found = _window_pass(bits, k, mask, nan_key, lo, hi, cap)
     if not ok:
         return False
-    _window_finish(
-        bits, k, nan_key, digits, lanes, cutoff, n_def, definite, m, cand_idx, cand_key,
-        out_idx, out_bits,
-    )  # fmt: skip
+    _window_finish(k, nan_key, digits, lanes, cutoff, n_def, m, found, out_idx, out_bits)
     return True
 
 
 @njit(**JIT)
-def _window_finish(
-    bits, k, nan_key, digits, lanes, cutoff, n_def, definite, m, cand_idx, cand_key,
-    out_idx, out_bits,
-):  # fmt: skip
-    """The top k from a window pass that hit: the n_def definite indices and the threshold key
+def _window_finish(k, nan_key, digits, lanes, cutoff, n_def, m, found, out_idx, out_bits):
+    """The top k from a window pass that hit: the n_def definite entries and the threshold key
     T resolved among the m candidates (all with key > T, then the lowest-index ties)."""
+    definite, def_bits, cand_idx, cand_key, cand_bits = found
     need = k - n_def
     T = _keys_kth(cand_key, m, need, nan_key, digits, lanes, cutoff)
     above = 0
     for c in range(m):
         above += cand_key[c] > T
     _finish_topk(
-        bits, k, definite, n_def, cand_idx, cand_key, m, T, need - above, out_idx, out_bits
-    )
+        k, definite, def_bits, n_def, cand_idx, cand_key, cand_bits, m, T, need - above,
+        out_idx, out_bits,
+    )  # fmt: skip
 
 
 @njit(**JIT)
@@ -321,10 +347,10 @@ def _window_kth(bits, k, mask, nan_key, digits, lanes, cutoff, s, sigmas):
     lo, hi, cap = _sample_window(bits, k, mask, nan_key, s, sigmas)
     if lo == 0 or cap > bits.shape[0] // 4:
         return np.int64(-1)
-    ok, n_def, _, m, _, cand_key = _window_pass(bits, k, mask, nan_key, lo, hi, cap)
+    ok, n_def, m, found = _window_pass(bits, k, mask, nan_key, lo, hi, cap)
     if not ok:
         return np.int64(-1)
-    return _keys_kth(cand_key, m, k - n_def, nan_key, digits, lanes, cutoff)
+    return _keys_kth(found[3], m, k - n_def, nan_key, digits, lanes, cutoff)
 
 
 @njit(**JIT)
