@@ -100,6 +100,11 @@ def folded_ranks(world_size: int, new_world_size: int, rank: int) -> list[int]:
     ------
     ValueError
         If a size is < 1 or ``rank`` is outside [0, P').
+
+    Notes
+    -----
+    This project's rule (docs/design.md §11): growing keeps every old residual where it was,
+    shrinking sums the fewest residuals per new rank.
     """
     for name, v in (("world_size", world_size), ("new_world_size", new_world_size)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
