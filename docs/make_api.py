@@ -20,10 +20,11 @@ MODULES = [
     "spardl.cost_model",
     "spardl.trace",
     "spardl.pingpong",
-    "spardl.model_cli",
     "spardl.torch",
     "spardl.elastic",
     "spardl.cli",
+    "spardl.cli.common",
+    "spardl.cli.model",
     "spardl.cluster",
     "spardl.lm",
 ]

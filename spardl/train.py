@@ -26,9 +26,17 @@ from pathlib import Path
 
 import numpy as np
 
+from .cli.common import (
+    DENSITY,
+    MOMENTUM,
+    NONNEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    UsageError,
+)
+
 __all__ = [
     "DEFAULTS",
-    "UsageError",
     "build_model",
     "load_digits_split",
     "add_arguments",
@@ -54,31 +62,6 @@ DEFAULTS = {
     "test_fraction": 0.2,
 }
 
-
-def _checked(kind, ok, what):
-    """An argparse ``type=``: ``kind(text)`` that must satisfy ``ok``, else a usage error
-    (argparse names the option and exits with status 2 on every rank, before MPI is used)."""
-    import argparse
-
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not ok(v):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
-        return v
-
-    parse.__name__ = kind.__name__  # argparse's "invalid <name> value" wording
-    parse.ok, parse.what = ok, what
-    return parse
-
-
-DENSITY = _checked(float, lambda v: 0 < v <= 1, "a density in (0, 1]")
-POSITIVE_INT = _checked(int, lambda v: v >= 1, "an integer >= 1")
-NONNEGATIVE_INT = _checked(int, lambda v: v >= 0, "an integer >= 0")
-POSITIVE_FLOAT = _checked(float, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
-MOMENTUM = _checked(float, lambda v: 0 <= v < 1, "a momentum in [0, 1)")
 
 #: The range-checked options (argparse dest -> type): the parser's types, and what run() checks
 #: again for a Namespace built without the parser. None is allowed for the optional ones.
@@ -291,11 +274,6 @@ def add_arguments(p) -> None:
         "interrupted (the schedule still spans --epochs or --steps; resume with --resume)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-class UsageError(ValueError):
-    """An invalid option, found from the options and P alone: the same on every rank, before
-    any communication, so every rank can report it and exit without aborting the job."""
 
 
 def _option(name: str) -> str:

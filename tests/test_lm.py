@@ -12,7 +12,8 @@ import pytest
 from mpirun import ROOT, run_mpi
 
 from spardl import lm
-from spardl.train import UsageError, _check_args, _resolve_task, add_arguments
+from spardl.cli.common import UsageError
+from spardl.train import _check_args, _resolve_task, add_arguments
 
 torch = pytest.importorskip("torch")
 

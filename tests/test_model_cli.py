@@ -10,7 +10,7 @@ import pytest
 from mpirun import ROOT, run_mpi
 
 from spardl import cost_model
-from spardl.model_cli import parse_P, teams_candidates
+from spardl.cli.model import parse_P, teams_candidates
 
 
 def _model(*args):

@@ -277,7 +277,8 @@ def test_dgc_techniques_are_recorded_and_checkpointed(runs):
 def test_bad_dgc_options_are_usage_errors(option, message):
     """Checked before any communication (in this process: the parser and the argument check)."""
     from spardl.cli import build_parser
-    from spardl.train import UsageError, _check_args, _resolve_task
+    from spardl.cli.common import UsageError
+    from spardl.train import _check_args, _resolve_task
 
     args = build_parser().parse_args(["train", *COMMON[3:], *option])
     _resolve_task(args)
@@ -296,7 +297,8 @@ def test_bad_dgc_options_are_usage_errors(option, message):
 def test_lm_sizes_are_bounded_usage_errors(option, message):
     """--task lm: a window must fit in the shortest text, and a step in a sane memory bound."""
     from spardl.cli import build_parser
-    from spardl.train import UsageError, _check_args, _resolve_task
+    from spardl.cli.common import UsageError
+    from spardl.train import _check_args, _resolve_task
 
     args = build_parser().parse_args(["train", "--task", "lm", *option])
     _resolve_task(args)

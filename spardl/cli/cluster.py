@@ -16,12 +16,14 @@ import signal
 import sys
 from pathlib import Path
 
+from .common import POSITIVE_FLOAT, POSITIVE_INT
+
 __all__ = ["add_cluster", "rate_type", "time_type"]
 
 
 def _checked_text(parse_name: str, text: str) -> str:
     """``text`` if :mod:`spardl.cluster`'s ``parse_name`` accepts it, else argparse's error."""
-    from . import cluster
+    from .. import cluster
 
     try:
         getattr(cluster, parse_name)(text)
@@ -41,7 +43,7 @@ def time_type(text: str) -> str:
 
 
 def _nodes_type(text: str) -> int:
-    from .cluster import MAX_NODES
+    from ..cluster import MAX_NODES
 
     try:
         v = int(text)
@@ -54,8 +56,6 @@ def _nodes_type(text: str) -> int:
 
 def add_cluster(sub) -> None:
     """Register ``spardl cluster`` and its subcommands on ``sub`` (an argparse subparsers)."""
-    from .train import POSITIVE_FLOAT, POSITIVE_INT
-
     p = sub.add_parser(
         "cluster",
         help="run an MPI job across emulated nodes with shaped network links",
@@ -102,7 +102,7 @@ def _error(msg: str) -> int:
 
 
 def _cmd_check(args) -> int:
-    from .cluster import check
+    from ..cluster import check
 
     found = check()
     width = max(len(name) for name, _, _ in found.rows)
@@ -113,7 +113,7 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from .cluster import check_quick, sweep
+    from ..cluster import check_quick, sweep
 
     problem = check_quick()
     if problem:
@@ -128,7 +128,7 @@ def _on_sigterm(signum, frame):
 
 
 def _cmd_run(args) -> int:
-    from .cluster import Cluster, ClusterError, check_quick, measure_latency
+    from ..cluster import Cluster, ClusterError, check_quick, measure_latency
 
     command = list(args.command)
     if command and command[0] == "--":

@@ -18,6 +18,8 @@ import json
 import math
 import sys
 
+from .common import run_collective
+
 __all__ = [
     "MODELS",
     "add_model",
@@ -130,7 +132,7 @@ def project(
     ValueError, TypeError
         As :func:`spardl.cost_model.predict`.
     """
-    from . import cost_model as cm
+    from .. import cost_model as cm
 
     algorithms = sorted(cm.FORMULAS) if algorithms is None else list(algorithms)
     rows = []
@@ -256,7 +258,7 @@ def _plot(rows, path, title):
 
 def add_model(sub) -> None:
     """Register ``spardl model``."""
-    from .cost_model import FORMULAS, NETWORKS
+    from ..cost_model import FORMULAS, NETWORKS
 
     p = sub.add_parser(
         "model",
@@ -307,7 +309,7 @@ def add_model(sub) -> None:
 
 def model_main(args) -> int:
     """Run ``spardl model`` with parsed arguments; returns the exit code."""
-    from .cost_model import FORMULAS, NETWORKS
+    from ..cost_model import FORMULAS, NETWORKS
 
     try:
         Ps = parse_P(args.P)
@@ -377,7 +379,6 @@ def add_bench(sub) -> None:
 
 
 def _cmd_pingpong(args) -> int:
-    from . import pingpong
-    from .cli import run_collective
+    from .. import pingpong
 
     return run_collective(pingpong.run, args)

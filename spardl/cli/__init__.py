@@ -1,0 +1,47 @@
+"""The ``spardl`` command line: ``spardl {train,demo,info,model,bench,cluster}`` (``python -m
+spardl`` too).
+
+One module per subcommand family (:mod:`.training`: train and demo; :mod:`.info`; :mod:`.model`:
+model and bench; :mod:`.cluster`), each with ``add_<name>(subparsers)`` functions that register a
+parser and set ``func`` (called with the parsed arguments, returns an exit code); what they
+share (the usage error, option types, the collective runner) is in :mod:`.common`, which imports
+none of them. To add a subcommand, write such a function and append it to :data:`COMMANDS`. Keep
+module-level imports light: ``spardl --help`` must not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..mpiexec import mpiexec_path
+from .cluster import add_cluster
+from .common import Parser, run_collective
+from .info import add_info
+from .model import add_bench, add_model
+from .training import add_demo, add_train, launch_train
+
+__all__ = ["COMMANDS", "build_parser", "main", "mpiexec_path", "run_collective", "launch_train"]
+
+#: Subcommand registrars, in help order. Append ``add_<name>`` to add a subcommand.
+COMMANDS = [add_train, add_demo, add_info, add_model, add_bench, add_cluster]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``spardl`` parser with every subcommand of :data:`COMMANDS`."""
+    import spardl
+
+    parser = Parser(
+        prog="spardl",
+        description="Sparse gradient allreduce (SparDL, Ok-Topk and peers) over MPI.",
+    )
+    parser.add_argument("--version", action="version", version=f"spardl {spardl.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``spardl`` and ``python -m spardl``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,108 @@
+"""What every ``spardl`` subcommand shares: the usage error, range-checked option types, the
+parser that reports a usage error once under ``mpiexec``, and the collective runner.
+
+Kept free of the subcommands (they import it, never the other way) and light: argparse and os
+at import, mpi4py only when a collective runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+__all__ = [
+    "UsageError",
+    "option_type",
+    "DENSITY",
+    "POSITIVE_INT",
+    "NONNEGATIVE_INT",
+    "POSITIVE_FLOAT",
+    "MOMENTUM",
+    "launcher_rank",
+    "Parser",
+    "run_collective",
+]
+
+
+class UsageError(ValueError):
+    """An invalid option, found from the options and P alone: the same on every rank, before
+    any communication, so every rank can report it and exit without aborting the job."""
+
+
+def option_type(kind, ok, what):
+    """An argparse ``type=``: ``kind(text)`` that must satisfy ``ok``, else a usage error
+    (argparse names the option and exits with status 2 on every rank, before MPI is used).
+
+    The returned function keeps ``ok`` and ``what`` as attributes, so a caller can check a value
+    that did not come through the parser with the same rule and wording.
+    """
+
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse's "invalid <name> value" wording
+    parse.ok, parse.what = ok, what
+    return parse
+
+
+DENSITY = option_type(float, lambda v: 0 < v <= 1, "a density in (0, 1]")
+POSITIVE_INT = option_type(int, lambda v: v >= 1, "an integer >= 1")
+NONNEGATIVE_INT = option_type(int, lambda v: v >= 0, "an integer >= 0")
+POSITIVE_FLOAT = option_type(float, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
+MOMENTUM = option_type(float, lambda v: 0 <= v < 1, "a momentum in [0, 1)")
+
+
+def launcher_rank() -> int | None:
+    """This process's rank as the MPI launcher set it in the environment (MPICH/Hydra, Open MPI,
+    PMIx, Slurm), without initialising MPI; None when not launched by one."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        v = os.environ.get(var)
+        if v is not None and v.strip().isdigit():
+            return int(v)
+    return None
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but under an MPI launcher a usage error is one line, printed by rank 0 only
+    (every rank still exits with status 2 before MPI is used)."""
+
+    def error(self, message):
+        rank = launcher_rank()
+        if rank is None:
+            super().error(message)
+        self.exit(2, f"{self.prog}: error: {message}\n" if rank == 0 else None)
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def run_collective(fn, *args, prog: str = "spardl") -> int:
+    """Run ``fn(*args, world)`` on every rank; an exception on any rank ends the whole job.
+
+    Under ``mpiexec`` a rank that raises would leave the others blocked in their next collective,
+    so the failing rank prints its traceback and aborts the MPI job (every rank exits non-zero
+    within seconds; :func:`spardl.abort_on_exception`). A :class:`UsageError` (raised by every
+    rank alike, before any communication) is printed once by rank 0 and gives status 2.
+    """
+    from ..comm import abort_on_exception
+
+    world = _world()
+    try:
+        with abort_on_exception(world, reraise=UsageError):
+            fn(*args, world)
+    except UsageError as e:  # raised by every rank before any communication: no abort needed
+        if world.Get_rank() == 0:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
