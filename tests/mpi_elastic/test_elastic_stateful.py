@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -48,6 +49,14 @@ def _tmpdir() -> str:
 
 
 DIR = _tmpdir()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_tmpdir():
+    yield
+    WORLD.Barrier()  # every rank is done with the files
+    if ME == 0:
+        shutil.rmtree(DIR, ignore_errors=True)
 
 
 def _free(ar) -> None:
