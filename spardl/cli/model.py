@@ -135,46 +135,48 @@ def project(
     from .. import cost_model as cm
 
     algorithms = sorted(cm.FORMULAS) if algorithms is None else list(algorithms)
+    rates = {"alpha": alpha, "beta": beta, "gamma": gamma}
     rows = []
     for P in Ps:
-        here = []
-        for alg in algorithms:
-            cands = teams_candidates(P) if alg == "spardl" else [1]
-            extra = {"sag_budget": sag_budget} if alg == "spardl" else {}
-            best = None
-            for d in cands:
-                p = cm.predict(
-                    alg, P, n, density, teams=d, alpha=alpha, beta=beta, gamma=gamma, **extra
-                )
-                if best is None or p["seconds"] < best[1]["seconds"]:
-                    best = (d, p)
-            d, p = best
-            here.append(
-                {
-                    "algorithm": alg,
-                    "P": P,
-                    "n": n,
-                    "density": density,
-                    "network": network,
-                    "alpha": alpha,
-                    "beta": beta,
-                    "gamma": gamma,
-                    "teams": d,
-                    "seconds": p["seconds"],
-                    "messages": p["messages"],
-                    "rounds": p["rounds"],
-                    "bytes": p["bytes"],
-                    "best": False,
-                }
-            )
-        if any(not math.isfinite(r["seconds"]) for r in here):
-            raise ValueError(
-                f"the prediction at P={P} is not finite (alpha, beta or gamma too large)"
-            )
-        if any(r["seconds"] > 0 for r in here):  # at P = 1 nothing is sent: no cheapest
-            min(here, key=lambda r: r["seconds"])["best"] = True
+        here = [_project_one(alg, P, n, density, rates, network, sag_budget) for alg in algorithms]
+        _mark_cheapest(here, P)
         rows += here
     return rows
+
+
+def _project_one(alg, P, n, density, rates, network, sag_budget) -> dict:
+    """The row of :func:`project` for one algorithm at P; SparDL at its cheapest d."""
+    from .. import cost_model as cm
+
+    extra = {"sag_budget": sag_budget} if alg == "spardl" else {}
+    best = None
+    for d in teams_candidates(P) if alg == "spardl" else [1]:
+        p = cm.predict(alg, P, n, density, teams=d, **rates, **extra)
+        if best is None or p["seconds"] < best[1]["seconds"]:
+            best = (d, p)
+    d, p = best
+    return {
+        "algorithm": alg,
+        "P": P,
+        "n": n,
+        "density": density,
+        "network": network,
+        **rates,
+        "teams": d,
+        "seconds": p["seconds"],
+        "messages": p["messages"],
+        "rounds": p["rounds"],
+        "bytes": p["bytes"],
+        "best": False,
+    }
+
+
+def _mark_cheapest(here: list[dict], P: int) -> None:
+    """Set ``best`` on the cheapest row at P; ValueError if a prediction is not finite."""
+    if any(not math.isfinite(r["seconds"]) for r in here):
+        raise ValueError(f"the prediction at P={P} is not finite (alpha, beta or gamma too large)")
+    if any(r["seconds"] > 0 for r in here):  # at P = 1 nothing is sent: no cheapest
+        min(here, key=lambda r: r["seconds"])["best"] = True
 
 
 def _fmt_time(s: float) -> str:
