@@ -315,8 +315,10 @@ class OkTopk(Allreducer):
         )
 
     def _residual_after(self, x, sel_idx, sel_val, out_idx):
-        """E_new (Algorithm 2): X minus what this rank contributed, where it counted."""
-        residual = A.copy(x)
+        """E_new (Algorithm 2): X minus what this rank contributed, where it counted. Written
+        into X itself: the step owns it (the base class never hands in a buffer anyone else
+        holds), and a step that is not applied keeps the old residual."""
+        residual = x
         if self.residual_mode == "local":
             # forget everything sent, even if dropped downstream
             return A.zero_at(residual, sel_idx)
