@@ -63,6 +63,12 @@ CONFIGS = [
     ("topkdsa", {}),
     ("gtopk", {}),
     ("oktopk", {}),
+    # the compact wire: packed bytes staged through the host, the roundings kept on the device
+    ("spardl", {"teams": 1, "wire": "compact"}),
+    ("spardl", {"teams": 2, "wire": "compact"}),
+    ("topkdsa", {"wire": "compact"}),
+    ("gtopk", {"wire": "compact"}),
+    ("oktopk", {"wire": "compact"}),
 ]
 
 
