@@ -239,7 +239,7 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
 _DEFAULT_DENSITY = 0.01
 
 #: The options every allreducer accepts (spardl.Allreducer's keywords).
-_COMMON_OPTIONS = ("density", "op", "residual", "nonfinite", "check")
+_COMMON_OPTIONS = ("density", "op", "residual", "nonfinite", "check", "wire")
 
 
 def _validate_options(

@@ -52,6 +52,7 @@ DEFAULTS = {
     "density": 0.01,
     "teams": 1,
     "residual": "global",
+    "wire": "coo",
     "epochs": 15,
     "batch_size": 16,
     "lr": 0.1,
@@ -135,6 +136,14 @@ def add_arguments(p) -> None:
         choices=("global", "local", "none"),
         default=d["residual"],
         help="error feedback mode (default: %(default)s)",
+    )
+    p.add_argument(
+        "--wire",
+        choices=("coo", "compact"),
+        default=d["wire"],
+        help="sparse message format: coo (32-bit indices and values) or compact (delta-coded "
+        "indices, 16-bit values whose rounding stays in the residual; docs/design.md §2.1) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--epochs",
@@ -790,6 +799,8 @@ def run(args, world) -> dict | None:
         data, model = _digits_setup(args, rank, P)
         loop = _train_digits
     options = {"density": args.density, "residual": args.residual}
+    if getattr(args, "wire", "coo") != "coo":
+        options["wire"] = args.wire
     if args.algorithm == "spardl":
         options["teams"] = args.teams
     options.update(

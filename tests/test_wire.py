@@ -202,3 +202,20 @@ def test_errors_name_the_argument():
     bad[1] = 0x37  # index code 7: unknown
     with pytest.raises(ValueError, match="corrupt"):
         W.decode_blocks(bad, 1, np.float32)
+
+
+def test_train_cli_and_torch_pass_wire_through():
+    """`spardl train --wire compact` reaches the allreducer's options; "coo" (the default) adds
+    nothing, so a default run's options are as before. spardl.torch accepts ``wire``."""
+    import argparse
+
+    from spardl import train
+
+    p = argparse.ArgumentParser()
+    train.add_arguments(p)
+    assert train._allreducer_options(p.parse_args(["--wire", "compact"]))["wire"] == "compact"
+    assert "wire" not in train._allreducer_options(p.parse_args([]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--wire", "zip"])
+    torch_mod = pytest.importorskip("spardl.torch")
+    assert "wire" in torch_mod._COMMON_OPTIONS
