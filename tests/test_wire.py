@@ -219,3 +219,24 @@ def test_train_cli_and_torch_pass_wire_through():
         p.parse_args(["--wire", "zip"])
     torch_mod = pytest.importorskip("spardl.torch")
     assert "wire" in torch_mod._COMMON_OPTIONS
+
+
+def test_cost_model_prices_compact_pairs_as_encoded():
+    """cost_model.compact_pair_bytes is what the encoder spends on uniformly spread indices."""
+    from spardl import cost_model as cm
+
+    assert cm.compact_pair_bytes(1.0) == 2.0
+    rng = np.random.default_rng(1)
+    n = 400_000
+    for rho in (0.3, 0.05, 0.01, 0.002):
+        k = int(rho * n)
+        idx = np.sort(rng.choice(n, k, replace=False))
+        buf, _ = W.encode_blocks(idx, rng.standard_normal(k).astype(np.float32), [k])
+        assert abs(len(buf) / k - cm.compact_pair_bytes(rho)) < 0.03 * cm.compact_pair_bytes(rho)
+    coo = cm.predict("spardl", 8, 10**6, 0.01)
+    compact = cm.predict("spardl", 8, 10**6, 0.01, wire="compact")
+    assert compact["messages"] == coo["messages"]
+    assert compact["bytes"] == pytest.approx(coo["bytes"] * cm.compact_pair_bytes(0.01) / 8)
+    assert cm.predict("topka", 8, 10**6, 0.01, wire="compact")["messages"] == 2
+    with pytest.raises(ValueError, match="wire"):
+        cm.predict("topka", 4, 1000, 0.01, wire="zip")

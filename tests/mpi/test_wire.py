@@ -18,6 +18,7 @@ import spardl.algorithms.gtopk
 import spardl.algorithms.oktopk
 import spardl.algorithms.topkdsa
 import spardl.comm
+from spardl import cost_model
 
 SPARSE = [a for a in sorted(spardl.ALGORITHMS) if a != "dense"]
 CONFIGS = [(a, {}) for a in SPARSE] + [("spardl", {"teams": 2}), ("spardl", {"teams": "P"})]
@@ -122,6 +123,27 @@ def test_compact_bytes_per_nonzero(comm, algorithm, opts, monkeypatch):
     assert sent["compact"] < 0.75 * sent["coo"]
     if comm.rank == 0:
         print(f"\n{algorithm}{o} P={comm.size}: bytes/pair {per_pair}")
+
+
+@pytest.mark.parametrize(("algorithm", "opts"), CONFIGS, ids=IDS)
+def test_compact_stats_match_the_cost_model(comm, algorithm, opts):
+    """One step's messages are what ``cost_model.predict(..., wire="compact")`` says (the
+    busiest rank for gtopk); where the pair count is fixed (topka, gtopk, SparDL with one team)
+    the bytes are within 10 % of its estimate."""
+    P, n, rho = comm.size, 200_000, 0.01
+    o = _options(comm, opts)
+    ar = spardl.make(algorithm, comm, n, density=rho, wire="compact", **o)
+    ar(grads_for(comm, n, np.float32, seed=11)[comm.rank])
+    msgs, sent = zip(*comm.allgather((ar.stats["messages"], ar.stats["bytes_sent"])), strict=True)
+    extra = {"step": 0} if algorithm == "oktopk" else {}
+    pred = cost_model.predict(
+        algorithm, P, n, rho, teams=o.get("teams", 1), wire="compact", **extra
+    )
+    if algorithm == "gtopk":
+        msgs, sent = [max(msgs)], [max(sent)]
+    assert set(msgs) == {pred["messages"]}
+    if algorithm in ("topka", "gtopk") or (algorithm == "spardl" and o.get("teams", 1) == 1):
+        assert all(abs(b - pred["bytes"]) <= 0.1 * pred["bytes"] for b in sent), (sent, pred)
 
 
 @pytest.mark.parametrize("algorithm", sorted(spardl.ALGORITHMS))
