@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from .algorithms import Allreducer, NonFiniteError
+from .algorithms.auto import Auto
 from .algorithms.base import collective_check
 from .algorithms.dense import Dense
 from .algorithms.gaussiank import Gaussiank
@@ -40,7 +41,9 @@ def make(algorithm: str, comm, n: int, **options) -> Allreducer:
     ----------
     algorithm : str
         A key of :data:`ALGORITHMS`: "spardl", "oktopk", "topka", "topkdsa", "gtopk",
-        "gaussiank" or "dense".
+        "gaussiank" or "dense"; or "auto" (:class:`~spardl.algorithms.auto.Auto`: the candidate
+        predicted fastest, re-chosen as it runs; not a key of :data:`ALGORITHMS`, whose entries
+        are the algorithms themselves).
     comm : mpi4py.MPI.Intracomm
         The communicator (duplicated inside). P = ``comm.Get_size()``.
     n : int
@@ -61,10 +64,12 @@ def make(algorithm: str, comm, n: int, **options) -> Allreducer:
         ranks disagree (different n, density, algorithm or options).
     """
     cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    if algorithm == "auto":
+        cls = Auto
     if cls is not None:
         return cls(comm, n, **options)
     c = comm if isinstance(comm, Comm) else Comm(comm)
-    err = ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    err = ValueError(f"algorithm must be one of {sorted(ALGORITHMS)} or 'auto', got {algorithm!r}")
     # Same collective sequence as a constructor, so ranks that did name a known algorithm
     # fail with this rank instead of waiting for it.
     collective_check(c, err, [name_hash(repr(algorithm))], {"algorithm": repr(algorithm)})

@@ -1,0 +1,627 @@
+"""`auto`: the allreduce predicted fastest, chosen on every rank alike and re-chosen as it runs.
+
+Each candidate's step is predicted as the α-β cost of its communication
+(:func:`spardl.cost_model.predict`, α and β measured by a short ping-pong at construction, given,
+or read from a ``spardl bench pingpong --json`` fit) plus its local work, measured: the first
+steps run every candidate in turn (``trials`` steps each), and a step's local work is its wall time
+less the time spent inside MPI calls. The candidates are steps of real allreducers (docs/design.md
+§12), so nothing is spent on trials that a fixed choice would not spend on steps.
+
+The residual is this allreducer's own: a sparse candidate's ``_reduce`` gets X = g + E and returns
+the new E, exactly as it does inside its own allreducer, so a switch between sparse candidates
+moves nothing and loses nothing. A switch to ``dense`` flushes the residual: the first dense
+step reduces X = g + E (one generic step through :meth:`_reduce`), after which E is zero and
+MPI's own Allreduce runs on the gradient itself (:class:`~spardl.algorithms.dense.Dense`'s step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import _arrays as A
+from .. import cost_model
+from .._checks import check_float, check_int
+from ..comm import Comm, wire_index_dtype
+from .base import Allreducer, Reduced, _work_dtype
+from .dense import Dense
+from .gaussiank import Gaussiank
+from .gtopk import GTopk
+from .oktopk import OkTopk
+from .spardl import SparDL
+from .topka import TopkA
+from .topkdsa import TopkDSA
+
+__all__ = ["Auto", "Candidate", "candidate_names", "explain"]
+
+#: The allreducers a candidate may run (``spardl.ALGORITHMS`` without importing the package).
+_CLASSES = {
+    "dense": Dense,
+    "spardl": SparDL,
+    "oktopk": OkTopk,
+    "topka": TopkA,
+    "gtopk": GTopk,
+    "topkdsa": TopkDSA,
+    "gaussiank": Gaussiank,
+}
+#: The default candidates (SparDL with every feasible number of teams). gTop-k is left out: it
+#: does not conserve (the partial sums its tree drops belong to no rank's residual); name it in
+#: ``candidates`` to allow it anyway.
+DEFAULT = ("dense", "spardl", "oktopk", "topka")
+#: Bytes per (index, value) pair of ``wire="compact"`` at 1 % density (measured, docs/
+#: performance.md): the model's volume in words times half of it.
+COMPACT_PAIR_BYTES = 3.2
+#: Ping-pong sizes (bytes) and round trips per size of the measurement at construction.
+PINGPONG_SIZES = (8, 4096, 262144)
+PINGPONG_REPEAT = 8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One allreduce ``auto`` may run: ``algorithm`` (a key of :data:`spardl.ALGORITHMS`) with
+    ``teams`` (SparDL's d; 1 for the others). ``name`` is how ``stats["auto"]`` lists it."""
+
+    algorithm: str
+    teams: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"spardl:d={self.teams}" if self.algorithm == "spardl" else self.algorithm
+
+
+def _divisors(P: int) -> list[int]:
+    return [d for d in range(1, P + 1) if P % d == 0]
+
+
+def candidate_names(P: int, candidates=None) -> list[str]:
+    """The candidates ``auto`` considers on P ranks, by name.
+
+    Parameters
+    ----------
+    P : int
+        World size.
+    candidates : sequence of str, optional
+        Names to choose among: a key of :data:`spardl.ALGORITHMS`, where ``"spardl"`` stands for
+        SparDL with every d dividing P, or ``"spardl:d=<d>"`` for one d. Default: dense, SparDL
+        with every d, Ok-Topk and TopkA.
+
+    Returns
+    -------
+    list of str
+        In the order given (the order breaks ties), without repeats.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Naming ``candidates`` if a name is unknown, d does not divide P, or it is empty.
+    """
+    return [c.name for c in _parse_candidates(P, candidates)]
+
+
+def _parse_candidates(P: int, candidates) -> list[Candidate]:
+    if candidates is None:
+        candidates = DEFAULT
+    if isinstance(candidates, str) or not isinstance(candidates, (list, tuple)):
+        raise TypeError(
+            f"candidates must be a list of algorithm names, got {type(candidates).__name__}"
+        )
+    out: list[Candidate] = []
+    for c in candidates:
+        if not isinstance(c, str):
+            raise TypeError(f"candidates must hold str names, got {type(c).__name__}")
+        if c == "spardl":
+            found = [Candidate("spardl", d) for d in _divisors(P)]
+        elif c.startswith("spardl:d="):
+            try:
+                d = int(c.removeprefix("spardl:d="))
+            except ValueError:
+                raise ValueError(f"candidates: {c!r} is not spardl:d=<integer>") from None
+            if d < 1 or P % d:
+                raise ValueError(f"candidates: {c!r}: d must be a positive divisor of P={P}")
+            found = [Candidate("spardl", d)]
+        elif c in _CLASSES:
+            found = [Candidate(c)]
+        else:
+            raise ValueError(
+                f"candidates: unknown {c!r}; accepted: {sorted(_CLASSES)} or 'spardl:d=<d>'"
+            )
+        out += [f for f in found if f not in out]
+    if not out:
+        raise ValueError("candidates must name at least one algorithm")
+    return out
+
+
+class Auto(Allreducer):
+    """The candidate allreduce predicted fastest on this communicator, re-chosen every
+    ``interval`` steps (``spardl.make("auto", comm, n, ...)``).
+
+    Parameters
+    ----------
+    comm, n, density, op, residual, nonfinite, check, wire
+        As :class:`spardl.algorithms.base.Allreducer`; every candidate runs with them.
+    candidates : list of str, optional
+        What to choose among (:func:`candidate_names`). Default: ``dense`` (MPI's own
+        Allreduce), SparDL with every d dividing P (``"spardl:d=<d>"``), Ok-Topk and TopkA.
+        gTop-k is eligible only when named here: it does not conserve (its tree drops partial
+        sums that no residual keeps), so with it the conservation invariant holds on the steps
+        of the other candidates only.
+    interval : int, default 100
+        Steps between decisions (after the trials), ≥ 1.
+    trials : int, default 2
+        Steps each candidate runs first, in turn, to measure its local work (the least of its
+        last ``trials`` steps is its estimate, the current candidate's refreshed by every step
+        it runs). 0: no trials; the choice is the model's communication time alone.
+    alpha, beta : float, optional
+        Seconds per message and per byte, ≥ 0, both or neither. Default: measured at
+        construction by a ping-pong between ranks 0 and 1 (about 50 round trips of 8 B to
+        256 KiB, :func:`spardl.pingpong.pingpong`); 0 on one rank.
+    fit : str or os.PathLike, optional
+        A JSON file written by ``spardl bench pingpong --json PATH`` (its ``alpha`` and
+        ``beta``), read by rank 0. Not with ``alpha`` and ``beta``.
+    hysteresis : float, default 0.05
+        A decision switches only if the best prediction is below (1 − hysteresis) times the
+        current candidate's, in [0, 1).
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, naming the option, if an option is invalid on any rank or the ranks
+        disagree; a fit file that rank 0 cannot read raises on every rank.
+
+    Notes
+    -----
+    Every rank takes the same decision: the local work of each candidate is the maximum over
+    ranks of the ranks' estimates (one allreduce), and rank 0's choice is broadcast; α and β are
+    rank 0's ping-pong (broadcast), the options' (agreed by the construction's cross-rank
+    check) or rank 0's file. ``stats["auto"]`` holds the choice and every candidate's prediction
+    (:func:`explain` prints it). The model counts ``word_bytes`` from the work dtype and the
+    wire (int32 index + value per pair; :data:`COMPACT_PAIR_BYTES` for ``wire="compact"``) and
+    no γ: the merges are local work, measured. A step is a transaction as in every allreducer:
+    one that raises or is skipped leaves the choice and every candidate's state unchanged;
+    decisions and switches happen only after an applied step.
+    """
+
+    name = "auto"
+    options: dict = {
+        "candidates": None,
+        "interval": 100,
+        "trials": 2,
+        "alpha": None,
+        "beta": None,
+        "fit": None,
+        "hysteresis": 0.05,
+    }
+
+    def __init__(self, comm, n, **kwargs):
+        super().__init__(comm, n, **kwargs)
+        # Collective from here on: every rank passed the base class's cross-rank check.
+        self.alpha, self.beta, self.rates = self._rates()
+        self._inners: dict[int, Allreducer] = {}
+        self._pending: dict[int, tuple] = {}  # loaded states of candidates not built yet
+        self._choice = 0
+        self._flush = False
+        self._trial_start = 0
+        self._decisions = 0
+        self._switches = 0
+        self._predicted: dict = {}
+        self._decided_at = None
+        if self.trials == 0:
+            self._decide()
+        else:
+            self._use(0)
+        self._report()
+
+    # -- options --------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        o = self.opts
+        self.cands = _parse_candidates(self.P, o["candidates"])
+        self.interval = check_int("interval", o["interval"])
+        if self.interval < 1:
+            raise ValueError(f"interval must be >= 1, got {self.interval}")
+        self.trials = check_int("trials", o["trials"])
+        if self.trials < 0:
+            raise ValueError(f"trials must be >= 0, got {self.trials}")
+        self.hysteresis = float(check_float("hysteresis", o["hysteresis"]))
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
+        given = {}
+        for name in ("alpha", "beta"):
+            v = check_float(name, o[name], or_none=True)
+            if v is not None and not (0 <= v < math.inf):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+            given[name] = v
+        if (given["alpha"] is None) != (given["beta"] is None):
+            raise ValueError("alpha and beta must be given together (or neither)")
+        fit = o["fit"]
+        if fit is not None:
+            if not isinstance(fit, (str, os.PathLike)):
+                raise TypeError(f"fit must be a path, got {type(fit).__name__}")
+            if given["alpha"] is not None:
+                raise ValueError("fit and alpha/beta are exclusive: give one or the other")
+        self._given = given
+        self.conserves = all(_CLASSES[c.algorithm].conserves for c in self.cands)
+        self.window = max(1, self.trials)
+        self._local = [deque(maxlen=self.window) for _ in self.cands]
+        self._wall = [deque(maxlen=self.window) for _ in self.cands]
+
+    def _rates(self) -> tuple[float, float, str]:
+        """(α, β, where they come from), the same on every rank (collective)."""
+        if self._given["alpha"] is not None:
+            return float(self._given["alpha"]), float(self._given["beta"]), "given"
+        if self.opts["fit"] is not None:
+            return self._read_fit(self.opts["fit"])
+        if self.P == 1:
+            return 0.0, 0.0, "one rank: no messages"
+        from ..pingpong import fit_alpha_beta, pingpong
+
+        ctl = Comm(self.comm._mpi)  # the ping-pong's messages stay out of the counters
+        try:
+            rows = pingpong(ctl, PINGPONG_SIZES, repeat=PINGPONG_REPEAT, warmup=1)
+        finally:
+            ctl.free()
+        # Rank 0's times (pingpong broadcasts them), so the fit is the same float everywhere.
+        alpha, beta = fit_alpha_beta([s for s, _ in rows], [max(t, 1e-12) for _, t in rows])
+        return alpha, beta, "ping-pong"
+
+    def _read_fit(self, path) -> tuple[float, float, str]:
+        got = None
+        if self.rank == 0:
+            try:
+                with open(path) as f:
+                    doc = json.load(f)
+                a, b = doc["alpha"], doc["beta"]
+                for name, v in (("alpha", a), ("beta", b)):
+                    check_float(name, v, numpy=False)
+                    if not 0 <= v < math.inf:
+                        raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+                got = (float(a), float(b), None)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                got = (0.0, 0.0, f"{type(e).__name__}: {e}")
+        self.comm.stats["control_messages"] += 1
+        alpha, beta, err = self.comm.mpi.bcast(got, root=0)
+        if err is not None:
+            raise ValueError(
+                f"fit: cannot read alpha and beta from {os.fspath(path)!r} on rank 0 ({err})"
+            )
+        return alpha, beta, f"fit {os.fspath(path)}"
+
+    # -- the candidates -------------------------------------------------------------------------
+    def _inner(self, i: int) -> Allreducer:
+        """Candidate i's allreducer, built on first use (collective: every rank builds it at
+        the same point). It shares this allreducer's communicator, so its messages count in
+        the same ``stats``."""
+        ar = self._inners.get(i)
+        if ar is None:
+            c = self.cands[i]
+            opts = {"teams": c.teams} if c.algorithm == "spardl" else {}
+            ar = _CLASSES[c.algorithm](
+                self.comm,
+                self.n,
+                density=self.density,
+                op=self.op,
+                residual=self.residual_mode,
+                nonfinite=self.nonfinite,
+                check=self.check,
+                wire=self.wire,
+                **opts,
+            )
+            self._inners[i] = ar
+            pending = self._pending.pop(i, None)
+            if pending is not None:
+                self._set_inner_state(ar, pending)
+        return ar
+
+    def _dense_now(self) -> bool:
+        return self.cands[self._choice].algorithm == "dense"
+
+    def _use(self, i: int) -> None:
+        """Make candidate i the current one (after an applied step, or at construction)."""
+        old = self._choice
+        ar = self._inner(i)
+        self.device_resident = ar.device_resident
+        if i == old:
+            return
+        self._switches += 1
+        if self.cands[old].algorithm == "dense" and old in self._inners:
+            self._inners[old]._pool.clear()  # its result buffers: memory, not state
+        self._choice = i
+        # The first dense step after a sparse one reduces X = g + E: the residual is flushed.
+        self._flush = (
+            self._dense_now() and self._residual is not None and self.residual_mode != "none"
+        )
+
+    # -- the step -------------------------------------------------------------------------------
+    def __call__(self, grad):
+        """As :meth:`Allreducer.__call__`, with the current candidate's step (module docstring);
+        after an applied step, a trial switch or a decision may follow (collective)."""
+        acct = self.comm._acct
+        own = acct.clock is None
+        if own:
+            acct.clock = [0.0, 0.0, 0]  # seconds inside MPI calls (Comm.mpi's timing proxy)
+        clock = acct.clock
+        before, inside = self.step, clock[0]
+        t0 = time.perf_counter()
+        try:
+            out = super().__call__(grad)
+        finally:
+            wall = time.perf_counter() - t0
+            inside = clock[0] - inside
+            if own:
+                acct.clock = None
+        if self.step != before:  # applied, on every rank alike
+            i = self._choice
+            if not self._dense_now():
+                self._inner(i).step += 1  # Ok-Topk's periodic re-estimations count its steps
+            self._local[i].append(max(wall - inside, 0.0))
+            self._wall[i].append(wall)
+            self._after_step()
+        return out
+
+    def _step(self, grad):
+        if self._dense_now() and not self._flush:
+            return self._dense_step(grad)
+        return super()._step(grad)
+
+    def _dense_step(self, grad):
+        """MPI's own Allreduce of the gradient (the residual is zero: flushed)."""
+        ar = self._inner(self._choice)
+        ar._dtype = self._dtype  # so that it refuses a gradient of another dtype, as we do
+        self._calls += 1
+        out, applied = ar._step(grad)
+        if applied:
+            if self._dtype is None:
+                self._dtype = ar._dtype
+                self._residual = A.zeros(self.n, _work_dtype(ar._dtype), A.is_device(grad))
+            self.step += 1
+        return out, applied
+
+    def _first_selection(self):
+        if self._dense_now():
+            return None
+        return self._inner(self._choice)._first_selection()
+
+    def _reduce(self, x) -> Reduced:
+        if self._dense_now():
+            self._flush = False
+            return self._flush_reduce(x)
+        ar = self._inner(self._choice)
+        ar._pre, self._pre = self._pre, None
+        try:
+            return ar._reduce(x)
+        finally:
+            ar._pre = None
+
+    def _flush_reduce(self, x) -> Reduced:
+        """The flushing dense step: the sum of every rank's X = g + E; E becomes zero."""
+        dev = A.is_device(x)
+        with self.comm.phase("allreduce"):
+            sums = self.comm.allreduce(x, "sum") if self.P > 1 else A.copy(x)
+        return Reduced(A.arange(self.n, dev), sums, A.zeros(self.n, x.dtype, dev))
+
+    def _density_changed(self) -> None:
+        for ar in self._inners.values():
+            ar._apply_density(self.density)
+
+    # -- decisions ------------------------------------------------------------------------------
+    def _after_step(self) -> None:
+        rel = self.step - self._trial_start
+        T = self.trials * len(self.cands)
+        if rel < T:
+            self._use(rel // self.trials)
+            self._report()
+        elif rel == T or (rel - T) % self.interval == 0:
+            self._decide(incumbent=rel > T)
+
+    def _word_bytes(self) -> tuple[float, float]:
+        """Bytes per word of the sparse candidates and of dense (module docstring)."""
+        work = _work_dtype(np.dtype(np.float32) if self._dtype is None else self._dtype)
+        if self.wire == "compact":
+            sparse = COMPACT_PAIR_BYTES / 2
+        else:
+            sparse = (np.dtype(wire_index_dtype(self.n)).itemsize + work.itemsize) / 2
+        return sparse, float(work.itemsize)
+
+    def predictions(self, local=None) -> dict:
+        """Each candidate's predicted step: {name: {"communication", "local", "predicted"}}.
+
+        Parameters
+        ----------
+        local : sequence of float, optional
+            Local seconds per candidate (negative: not measured, counted as 0). Default: this
+            rank's own estimates (the decisions use the maximum over ranks instead).
+
+        Returns
+        -------
+        dict
+            Seconds: the model's communication at this allreducer's α and β, the local work
+            (None when not measured) and their sum, in candidate order.
+        """
+        if local is None:
+            local = [min(w) if w else -1.0 for w in self._local]
+        sparse_wb, dense_wb = self._word_bytes()
+        out = {}
+        for c, loc in zip(self.cands, local, strict=True):
+            comm = cost_model.predict(
+                c.algorithm,
+                self.P,
+                self.n,
+                self.density,
+                teams=c.teams,
+                alpha=self.alpha,
+                beta=self.beta,
+                word_bytes=dense_wb if c.algorithm == "dense" else sparse_wb,
+            )["seconds"]
+            measured = self.trials > 0 and loc >= 0
+            out[c.name] = {
+                "communication": comm,
+                "local": float(loc) if measured else None,
+                "predicted": comm + (float(loc) if measured else 0.0),
+            }
+        return out
+
+    def _decide(self, incumbent: bool = False) -> None:
+        """Choose (collective): the local estimates agreed as their maximum over ranks, every
+        candidate predicted, and rank 0's choice broadcast. With ``incumbent`` (a decision
+        after the first) the current candidate keeps its place unless another one is predicted
+        faster by the ``hysteresis`` margin."""
+        C = len(self.cands)
+        mine = np.array(
+            [min(w) if w else -1.0 for w in self._local]
+            + [min(w) if w else -1.0 for w in self._wall]
+        )
+        agreed = np.empty_like(mine)
+        self.comm.mpi.Allreduce(mine, agreed, op=MPI.MAX)
+        pred = self.predictions(agreed[:C].tolist())
+        for p, wall in zip(pred.values(), agreed[C:], strict=True):
+            p["measured"] = float(wall) if wall >= 0 else None
+        times = [p["predicted"] for p in pred.values()]
+        best = min(range(C), key=lambda j: (times[j], j))
+        cur, choice = self._choice, best
+        if incumbent and times[best] >= (1 - self.hysteresis) * times[cur]:
+            choice = cur
+        choice = int(self.comm.mpi.bcast(choice, root=0))
+        self.comm.stats["control_messages"] += 2
+        self._predicted = pred
+        self._decisions += 1
+        self._decided_at = self.step
+        self._use(choice)
+        self._report()
+
+    def _report(self) -> None:
+        """``stats["auto"]``: the choice and the last decision's predictions."""
+        rel = self.step - self._trial_start
+        self.comm.stats["auto"] = {
+            "choice": self.cands[self._choice].name,
+            "phase": "trials" if rel < self.trials * len(self.cands) else "chosen",
+            "decided_at_step": self._decided_at,
+            "decisions": self._decisions,
+            "switches": self._switches,
+            "interval": self.interval,
+            "trials": self.trials,
+            "hysteresis": self.hysteresis,
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "rates": self.rates,
+            "conserves": self.conserves,
+            "candidates": {k: dict(v) for k, v in self._predicted.items()}
+            or {c.name: None for c in self.cands},
+        }
+
+    # -- state ----------------------------------------------------------------------------------
+    def _inner_state(self, i: int):
+        ar = self._inners.get(i)
+        if ar is None:
+            return self._pending.get(i)
+        if self.cands[i].algorithm == "dense":
+            return (ar.step, ar._calls, None if ar._dtype is None else str(ar._dtype), None)
+        return (ar.step, ar._calls, None, ar._extra_state())
+
+    @staticmethod
+    def _set_inner_state(ar, st) -> None:
+        step, calls, dtype, extra = st
+        if extra is not None:
+            ar._load_extra_state(extra)
+        ar.step, ar._calls = int(step), int(calls)
+        if isinstance(ar, Dense):
+            ar._dtype = None if dtype is None else np.dtype(dtype)
+
+    def _extra_state(self) -> dict:
+        # The current candidate's state only: a step changes no other (O(P), as the base asks).
+        i = self._choice
+        return {
+            "choice": self.cands[i].name,
+            "flush": self._flush,
+            "inner": self._inner_state(i),
+            "trial_start": self._trial_start,
+            "local": [list(w) for w in self._local],
+            "wall": [list(w) for w in self._wall],
+        }
+
+    def _load_extra_state(self, state) -> None:
+        if not state:  # a state without it (folded for another world size): trials afresh
+            self._trial_start = self.step
+            for w in (*self._local, *self._wall):
+                w.clear()
+            self._choice = 0
+            self._flush = (
+                self._dense_now() and self._residual is not None and self.residual_mode != "none"
+            )
+            self.device_resident = _CLASSES[self.cands[0].algorithm].device_resident
+            self._report()
+            return
+        names = [c.name for c in self.cands]
+        if state["choice"] not in names:
+            raise ValueError(f"state chose {state['choice']!r}, not among candidates {names}")
+        for key in ("local", "wall"):
+            if len(state[key]) != len(names):
+                raise ValueError(f"state holds {key} times of {len(state[key])} candidates")
+        i = names.index(state["choice"])
+        inner = state["inner"]
+        if inner is not None:
+            if i in self._inners:
+                self._set_inner_state(self._inners[i], inner)
+            else:
+                self._pending[i] = tuple(inner)
+        self._choice, self._flush = i, bool(state["flush"])
+        self.device_resident = _CLASSES[self.cands[i].algorithm].device_resident
+        self._trial_start = int(state["trial_start"])
+        for w, saved in zip(
+            (*self._local, *self._wall), (*state["local"], *state["wall"]), strict=True
+        ):
+            w.clear()
+            w.extend(float(t) for t in saved)
+        self._report()
+
+    def __repr__(self) -> str:
+        return (
+            f"Auto(P={self.P}, n={getattr(self, 'n', '?')}, "
+            f"density={getattr(self, 'density', '?')}, "
+            f"choice={self.cands[self._choice].name if hasattr(self, '_choice') else '?'!r})"
+        )
+
+
+def explain(report: dict) -> str:
+    """``stats["auto"]`` as a table: one line per candidate (communication, local work,
+    predicted and measured step, in ms), the choice marked.
+
+    Parameters
+    ----------
+    report : dict
+        ``allreducer.stats["auto"]``.
+
+    Returns
+    -------
+    str
+        Lines without a trailing newline.
+    """
+    head = (
+        f"auto: {report['choice']} ({report['phase']}; {report['decisions']} decisions, "
+        f"{report['switches']} switches, every {report['interval']} steps after "
+        f"{report['trials']} trial steps each); alpha = {report['alpha'] * 1e6:.2f} us, "
+        f"beta = {report['beta'] * 1e9:.4f} ns/B ({report['rates']})"
+    )
+    lines = [
+        head,
+        f"  {'candidate':<14} {'comm ms':>9} {'local ms':>9} {'predicted':>10} {'measured':>9}",
+    ]
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:.3f}"
+
+    for name, p in report["candidates"].items():
+        mark = "*" if name == report["choice"] else " "
+        if p is None:
+            lines.append(f"{mark} {name:<14} {'(not decided yet)':>40}")
+            continue
+        lines.append(
+            f"{mark} {name:<14} {ms(p['communication']):>9} {ms(p['local']):>9} "
+            f"{ms(p['predicted']):>10} {ms(p.get('measured')):>9}"
+        )
+    return "\n".join(lines)

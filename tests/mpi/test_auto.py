@@ -1,0 +1,220 @@
+"""``spardl.make("auto", ...)``: one decision on every rank, conservation across switches,
+``stats["auto"]``, transactions and checkpoints, bad options refused on every rank.
+
+Runs on every rank under `mpiexec -n P` (tests/test_mpi.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpiutil import assert_identical_everywhere, conservation_error, grads_for
+
+import spardl
+from spardl.algorithms.auto import candidate_names, explain
+
+P = MPI.COMM_WORLD.Get_size()
+N = 96
+#: Rates that make the model's choice depend on the density alone: β dominates (sparse at
+#: density 0.05, dense at density 1).
+RATES = {"alpha": 0.0, "beta": 1e-3}
+
+
+def _same_everywhere(comm, obj):
+    everyone = comm.allgather(obj)
+    assert all(o == everyone[0] for o in everyone), everyone
+
+
+def _step(comm, ar, seed, dtype=np.float64):
+    """One step on every rank; returns (X of this rank, the result)."""
+    g = grads_for(comm, N, dtype, seed=seed)[comm.rank]
+    x = g.astype(np.float64) + np.asarray(ar.residual, np.float64)
+    return x, ar(g)
+
+
+def test_same_decision_on_every_rank_with_measured_rates(comm):
+    """Ping-pong rates and measured local work: every rank makes the same choices, results are
+    identical everywhere, and the trials visit every candidate in order."""
+    ar = spardl.make("auto", comm, N, density=0.05, interval=2, trials=1)
+    names = candidate_names(P)
+    _same_everywhere(comm, (ar.alpha, ar.beta))
+    seen = []
+    for s in range(len(names) + 5):
+        seen.append(ar.stats["auto"]["choice"])
+        _, out = _step(comm, ar, 10 + s)
+        assert_identical_everywhere(comm, out)
+        rep = ar.stats["auto"]
+        _same_everywhere(comm, (rep["choice"], rep["candidates"], rep["decisions"]))
+    assert seen[: len(names)] == names
+    assert ar.stats["auto"]["decisions"] == 3  # after the trials, then every 2 steps
+    assert ar.stats["steps"] == len(names) + 5
+
+
+def test_conservation_across_switches(comm):
+    """Σ_r X_r = P·out + Σ_r E_r on every step while the choice moves: trials through every
+    candidate (sparse to sparse), then to dense (the residual flushed) and back."""
+    ar = spardl.make("auto", comm, N, density=0.05, interval=1, trials=1, **RATES)
+    names = candidate_names(P)
+    chosen = []
+    densities = [0.05] * (len(names) + 2) + [1.0] * 3 + [0.05] * 3
+    for s, rho in enumerate(densities):
+        if rho != ar.density:
+            ar.set_density(rho)
+        x, out = _step(comm, ar, 40 + s)
+        chosen.append(ar.stats["auto"]["choice"])
+        err = conservation_error(comm, x, out.to_dense(), ar.residual, "mean")
+        assert err < 1e-12, (s, chosen, err)
+    if P > 1:
+        # Density 1 is dense's (β dominates: it sends the fewest bytes), 0.05 a sparse one's.
+        assert chosen[len(names) + 2] == "dense"
+        assert chosen[-1] != "dense"
+    assert ar.stats["auto"]["switches"] >= len(names) - 1
+
+
+def test_flush_on_switch_to_dense(comm):
+    """The first dense step reduces g + E (the residual is flushed: nothing is lost), later
+    ones the gradient alone."""
+    ar = spardl.make(
+        "auto", comm, N, density=0.05, trials=1, candidates=["topka", "dense"], **RATES
+    )
+    x, out = _step(comm, ar, 1)  # topka: a residual is left
+    assert ar.stats["auto"]["choice"] == "dense" and np.any(np.asarray(ar.residual))
+    x, out = _step(comm, ar, 2)  # the flush
+    assert conservation_error(comm, x, out.to_dense(), ar.residual, "mean") < 1e-12
+    assert not np.any(np.asarray(ar.residual))
+
+
+def test_stats_auto_content(comm, tmp_path_factory):
+    path = None
+    if comm.rank == 0:
+        path = str(tmp_path_factory.mktemp("fit") / "pingpong.json")
+        with open(path, "w") as f:
+            json.dump({"alpha": 2e-6, "beta": 1e-9, "gamma": None}, f)
+    path = comm.bcast(path, root=0)
+    ar = spardl.make("auto", comm, N, density=0.05, interval=3, trials=1, fit=path)
+    names = candidate_names(P)
+    rep = ar.stats["auto"]
+    assert rep["phase"] == "trials" and rep["choice"] == names[0]
+    assert rep["candidates"] == {name: None for name in names}
+    assert (rep["alpha"], rep["beta"], rep["rates"]) == (2e-6, 1e-9, f"fit {path}")
+    for s in range(len(names)):
+        _step(comm, ar, 70 + s)
+    rep = ar.stats["auto"]
+    assert (
+        rep["phase"] == "chosen" and rep["decisions"] == 1 and rep["decided_at_step"] == len(names)
+    )
+    assert rep["choice"] in names and list(rep["candidates"]) == names
+    for name, p in rep["candidates"].items():
+        assert set(p) == {"communication", "local", "predicted", "measured"}, name
+        assert p["local"] >= 0 and p["measured"] >= p["local"] * 0.999
+        assert p["predicted"] == pytest.approx(p["communication"] + p["local"])
+        if P == 1:
+            assert p["communication"] == 0
+    assert rep["conserves"] is True and rep["interval"] == 3 and rep["trials"] == 1
+    text = explain(rep)
+    assert all(name in text for name in names) and "*" in text
+    # gTop-k only when named; then the allreducer does not promise conservation.
+    g = spardl.make("auto", comm, N, candidates=["gtopk", "spardl"], trials=0, **RATES)
+    assert g.conserves is False and list(g.stats["auto"]["candidates"])[0] == "gtopk"
+    assert "gtopk" not in names
+
+
+def test_model_choice_without_trials(comm):
+    """trials=0: the α-β model alone decides, at construction and every interval."""
+    ar = spardl.make("auto", comm, N, density=1.0, trials=0, **RATES)
+    rep = ar.stats["auto"]
+    assert rep["decisions"] == 1 and all(p["local"] is None for p in rep["candidates"].values())
+    if P > 1:
+        assert rep["choice"] == "dense"
+    # α dominates: the fewest rounds (P = 1: every candidate is free, the first one wins).
+    ar = spardl.make("auto", comm, N, density=0.05, trials=0, alpha=1.0, beta=0.0)
+    best = min(ar.stats["auto"]["candidates"].items(), key=lambda kv: kv[1]["predicted"])[0]
+    assert ar.stats["auto"]["choice"] == best
+
+
+def _state(ar):
+    st = ar.state_dict()
+    return (
+        st["step"],
+        st["calls"],
+        np.array(st["residual"]).tobytes() if st["residual"] is not None else None,
+        repr(st["extra"]),
+    )
+
+
+@pytest.mark.parametrize("when", ["sparse", "flush", "dense"])
+def test_failed_step_leaves_state_unchanged(comm, when):
+    """A step that raises (NaN) or is skipped (Inf) changes nothing, also when it is the
+    flushing step of a switch to dense or a dense step."""
+    ar = spardl.make("auto", comm, N, density=0.05, interval=1, trials=0, **RATES)
+    skip = spardl.make(
+        "auto", comm, N, density=0.05, interval=1, trials=0, nonfinite="skip", **RATES
+    )
+    for a in (ar, skip):
+        _step(comm, a, 1)
+        if when != "sparse":
+            a.set_density(1.0)
+            _step(comm, a, 2)  # decides for dense: the next step flushes
+        if when == "dense":
+            _step(comm, a, 3)
+    for a, bad, exc in ((ar, np.nan, spardl.NonFiniteError), (skip, np.inf, None)):
+        before = _state(a)
+        choice = a.stats["auto"]["choice"]
+        g = grads_for(comm, N, np.float64, seed=9)[comm.rank]
+        if comm.rank == P - 1:
+            g[3] = bad
+        if exc is None:
+            out = a(g)
+            assert out.nnz == 0
+        else:
+            with pytest.raises(exc):
+                a(g)
+        assert _state(a) == before and a.stats["auto"]["choice"] == choice
+        x, out = _step(comm, a, 4)  # and it goes on
+        assert conservation_error(comm, x, out.to_dense(), a.residual, "mean") < 1e-12
+
+
+def test_state_dict_round_trip(comm):
+    """A state saved mid-run and loaded back continues bit for bit (trials=0: no timing)."""
+    ar = spardl.make("auto", comm, N, density=0.05, interval=2, trials=0, **RATES)
+    for s in range(3):
+        _step(comm, ar, 80 + s)
+    saved = ar.state_dict()
+    first = [_step(comm, ar, 90 + s)[1].to_dense() for s in range(3)]
+    ar.load_state_dict(saved)
+    again = [_step(comm, ar, 90 + s)[1].to_dense() for s in range(3)]
+    for a, b in zip(first, again, strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+BAD = [
+    ({"interval": 0}, ValueError, "interval"),
+    ({"interval": 2.0}, TypeError, "interval"),
+    ({"trials": -1}, ValueError, "trials"),
+    ({"alpha": 1e-6}, ValueError, "alpha and beta"),
+    ({"alpha": -1.0, "beta": 0.0}, ValueError, "alpha"),
+    ({"alpha": 0.0, "beta": float("inf")}, ValueError, "beta"),
+    ({"hysteresis": 1.0}, ValueError, "hysteresis"),
+    ({"candidates": "dense"}, TypeError, "candidates"),
+    ({"candidates": []}, ValueError, "candidates"),
+    ({"candidates": ["nope"]}, ValueError, "candidates"),
+    ({"candidates": [f"spardl:d={P + 1}"]}, ValueError, "candidates"),
+    ({"fit": 3}, TypeError, "fit"),
+    ({"fit": "x.json", "alpha": 0.0, "beta": 0.0}, ValueError, "fit"),
+    ({"fit": "/nonexistent/pingpong.json"}, ValueError, "fit"),
+    ({"teams": 2}, TypeError, "teams"),
+]
+
+
+@pytest.mark.parametrize("options,exc,word", BAD, ids=[repr(b[0]) for b in BAD])
+@pytest.mark.parametrize("where", ["all", "rank0"])
+def test_bad_options_raise_on_every_rank(comm, options, exc, word, where):
+    mine = options if where == "all" or comm.rank == 0 else {}
+    if where == "rank0" and P > 1 and "fit" in options and "alpha" not in options:
+        mine = options  # fit: a path every rank names (rank 0 reads it)
+    with pytest.raises(exc) as info:
+        spardl.make("auto", comm, N, **{"trials": 0, **mine})
+    assert word in str(info.value)
