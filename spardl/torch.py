@@ -256,8 +256,11 @@ def _validate_options(
     reducer builds its real allreducer right after this.
     """
     from . import ALGORITHMS
+    from .algorithms.auto import Auto
 
     cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    if algorithm == "auto":
+        cls = Auto
     if err is None and cls is not None:
         accepted = set(_COMMON_OPTIONS) | set(cls.options)
         if hook:
@@ -279,9 +282,10 @@ def _validate_options(
         return
     # The values: make's own checks and messages (unknown algorithm included), on every rank.
     probe = make(algorithm, ctl, max(1, ctl.size), op="mean", **options)
-    for sub in (getattr(probe, "_team", None), getattr(probe, "_cross", None)):
-        if sub is not None and sub is not ctl:
-            sub.free()  # SparDL's team communicators (teams > 1)
+    for ar in (probe, *getattr(probe, "_inners", {}).values()):  # auto's candidates too
+        for sub in (getattr(ar, "_team", None), getattr(ar, "_cross", None)):
+            if sub is not None and sub is not ctl:
+                sub.free()  # SparDL's team communicators (teams > 1)
 
 
 def _plain(v):
@@ -698,7 +702,7 @@ class SparseHookState:
         DDP's process group, checked against the default process group (size and rank) at the
         first call: launch with ``mpiexec``, not torchrun.
     algorithm : str, default "spardl"
-        A key of :data:`spardl.ALGORITHMS`.
+        A key of :data:`spardl.ALGORITHMS`, or "auto" (:class:`spardl.algorithms.auto.Auto`).
     warmup_steps : int, default 2
         Dense allreduce for the first ``warmup_steps`` iterations.
     model : torch.nn.Module, optional
@@ -1031,7 +1035,7 @@ class SparseGradientReducer:
     comm : mpi4py.MPI.Intracomm
         The communicator (duplicated inside).
     algorithm : str, default "spardl"
-        A key of :data:`spardl.ALGORITHMS`.
+        A key of :data:`spardl.ALGORITHMS`, or "auto" (:class:`spardl.algorithms.auto.Auto`).
     warmup_steps : int, default 0
         Dense allreduce for the first ``warmup_steps`` calls.
     momentum_correction : float, optional

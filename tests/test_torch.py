@@ -123,6 +123,39 @@ def test_reducer_state_round_trips_through_torch_load_weights_only():
         assert again.step == red.step
 
 
+def test_auto_through_the_reducer_and_the_hook_state():
+    """algorithm="auto" passes through: the reducer steps through its trials to a choice, its
+    checkpoint round-trips through torch.load (weights_only), and bad auto options are named at
+    construction."""
+    import io
+
+    import numpy as np
+    from mpi4py import MPI
+
+    import spardl.torch as st
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(20, 5)
+    opts = {"density": 0.1, "trials": 1, "interval": 2}
+    red = st.SparseGradientReducer(model.named_parameters(), MPI.COMM_SELF, "auto", **opts)
+    for _ in range(6):
+        model.zero_grad()
+        model(torch.randn(4, 20)).sum().backward()
+        red.reduce()
+    assert red.stats["auto"]["phase"] == "chosen" and red.stats["auto"]["decisions"] == 2
+    buf = io.BytesIO()
+    torch.save(red.state_dict(), buf)
+    buf.seek(0)
+    again = st.SparseGradientReducer(model.named_parameters(), MPI.COMM_SELF, "auto", **opts)
+    again.load_state_dict(torch.load(buf))
+    np.testing.assert_array_equal(again.allreducer.residual, red.allreducer.residual)
+    assert again.allreducer.stats["auto"]["choice"] == red.stats["auto"]["choice"]
+    with pytest.raises(ValueError, match="interval must be >= 1"):
+        st.SparseHookState(MPI.COMM_SELF, algorithm="auto", interval=0)
+    with pytest.raises(TypeError, match="unknown option"):
+        st.SparseGradientReducer(model.parameters(), MPI.COMM_SELF, "auto", teams=2)
+
+
 # -- parameter-keyed state; unused, frozen and sparse parameters; dtypes; launch; options -------
 SPARSE_ALGORITHMS = ["topka", "gaussiank", "topkdsa", "gtopk", "spardl", "oktopk"]
 
