@@ -55,9 +55,6 @@ _CLASSES = {
 #: does not conserve (the partial sums its tree drops belong to no rank's residual); name it in
 #: ``candidates`` to allow it anyway.
 DEFAULT = ("dense", "spardl", "oktopk", "topka")
-#: Bytes per (index, value) pair of ``wire="compact"`` at 1 % density (measured, docs/
-#: performance.md): the model's volume in words times half of it.
-COMPACT_PAIR_BYTES = 3.2
 #: Ping-pong sizes (bytes) and round trips per size of the measurement at construction.
 PINGPONG_SIZES = (8, 4096, 262144)
 PINGPONG_REPEAT = 8
@@ -181,11 +178,12 @@ class Auto(Allreducer):
     ranks of the ranks' estimates (one allreduce), and rank 0's choice is broadcast; α and β are
     rank 0's ping-pong (broadcast), the options' (agreed by the construction's cross-rank
     check) or rank 0's file. ``stats["auto"]`` holds the choice and every candidate's prediction
-    (:func:`explain` prints it). The model counts ``word_bytes`` from the work dtype and the
-    wire (int32 index + value per pair; :data:`COMPACT_PAIR_BYTES` for ``wire="compact"``) and
-    no γ: the merges are local work, measured. A step is a transaction as in every allreducer:
-    one that raises or is skipped leaves the choice and every candidate's state unchanged;
-    decisions and switches happen only after an applied step.
+    (:func:`explain` prints it). The model counts ``word_bytes`` from the work dtype (an int32
+    index and a value per pair; ``wire="compact"``: the model's own estimate,
+    :func:`spardl.cost_model.compact_pair_bytes`) and no γ: the merges are local work,
+    measured. A step is a transaction as in every allreducer: one that raises or is skipped
+    leaves the choice and every candidate's state unchanged; decisions and switches happen only
+    after an applied step.
     """
 
     name = "auto"
@@ -420,12 +418,10 @@ class Auto(Allreducer):
             self._decide(incumbent=rel > T)
 
     def _word_bytes(self) -> tuple[float, float]:
-        """Bytes per word of the sparse candidates and of dense (module docstring)."""
+        """Bytes per word with ``wire="coo"``: of the sparse candidates (an index and a value
+        per pair) and of dense (a value), in the work dtype (float32 before the first step)."""
         work = _work_dtype(np.dtype(np.float32) if self._dtype is None else self._dtype)
-        if self.wire == "compact":
-            sparse = COMPACT_PAIR_BYTES / 2
-        else:
-            sparse = (np.dtype(wire_index_dtype(self.n)).itemsize + work.itemsize) / 2
+        sparse = (np.dtype(wire_index_dtype(self.n)).itemsize + work.itemsize) / 2
         return sparse, float(work.itemsize)
 
     def predictions(self, local=None) -> dict:
@@ -457,6 +453,7 @@ class Auto(Allreducer):
                 alpha=self.alpha,
                 beta=self.beta,
                 word_bytes=dense_wb if c.algorithm == "dense" else sparse_wb,
+                wire=self.wire,
             )["seconds"]
             measured = self.trials > 0 and loc >= 0
             out[c.name] = {
