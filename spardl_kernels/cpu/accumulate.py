@@ -18,16 +18,12 @@ from ._common import JIT, as_values, key_view
 from .select import (
     _bracket,
     _digits,
-    _hit_mask,
-    _hit_mask64,
     _key,
-    _low_bit,
     _sample_position,
     _topk_into,
-    _window_buffers,
     _window_finish,
     _window_sample_size,
-    _window_take,
+    _window_scan,
 )
 
 
@@ -54,40 +50,6 @@ def _sample_sums(g, e, start, stop, s, nan_key, mask, key_dtype):
     for j in range(s):
         keys[j] = _key(bits[j], mask, nan_key)
     return keys
-
-
-@njit(**JIT)
-def _accumulate_window(g, e, x, xb, start, stop, k, mask, nan_key, lo, hi, cap):
-    """x[start:stop] = g + e, and the window pass of the top k of that block on the way.
-
-    Returns (ok, n_def, m, found) as the window pass does (indices relative to start). The sum
-    is always completed; collecting stops once the window missed.
-    """
-    gp = g[start:stop]
-    ep = e[start:stop]
-    xp = x[start:stop]
-    bp = xb[start:stop]  # the same memory as xp, as integers
-    n = stop - start
-    found = _window_buffers(k, cap, bp.dtype)
-    mask_t = bp.dtype.type(mask)
-    lo_t = bp.dtype.type(lo)
-    j = 0
-    c = 0
-    ok = True
-    for b in range((n + 63) // 64):
-        s = b * 64
-        if s + 64 <= n:
-            for l in range(64):
-                xp[s + l] = gp[s + l] + ep[s + l]
-            m = _hit_mask64(bp, s, lo_t, mask_t) if ok else np.uint64(0)
-        else:
-            for i in range(s, n):
-                xp[i] = gp[i] + ep[i]
-            m = _hit_mask(bp, s, n, lo_t, mask_t) if ok else np.uint64(0)
-        while m and ok:
-            l, m = _low_bit(m)
-            j, c, ok = _window_take(found, s + l, bp[s + l], mask, nan_key, hi, k, cap, j, c)
-    return ok and j < k and j + c >= k, j, c, found
 
 
 def accumulate_topk(g, e, ks, bounds, *, out=None):
@@ -184,8 +146,8 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
             keys = _sample_sums(g, e, lo_b, hi_b, s, nan_key, mask, xb.dtype)
             lo, hi, cap = _bracket(keys, length, k, nan_key, config.WINDOW_SIGMAS)
             if lo != 0 and cap <= length // 4:
-                ok, n_def, m, found = _accumulate_window(
-                    g, e, x, xb, lo_b, hi_b, k, mask, nan_key, lo, hi, cap
+                ok, n_def, m, found = _window_scan(
+                    g, e, x, xb, lo_b, hi_b, True, k, mask, nan_key, lo, hi, cap
                 )
                 if ok:
                     _window_finish(k, nan_key, digits, lanes, cutoff, n_def, m, found, sel_i, sel_v)
