@@ -50,7 +50,13 @@ def test_a_residual_the_caller_holds_is_never_overwritten(algorithm):
 
 @pytest.mark.parametrize(
     "algorithm, options",
-    [("spardl", {}), ("spardl", {"residual": "local"}), ("topka", {}), ("gtopk", {})],
+    [
+        ("spardl", {}),
+        ("spardl", {"residual": "local"}),
+        ("topka", {}),
+        ("gtopk", {}),
+        ("oktopk", {"selector": "exact"}),
+    ],
 )
 def test_selecting_while_accumulating_changes_nothing(algorithm, options, monkeypatch):
     """The first selection made inside the X = g + E pass (accumulate_topk, fused on blocks of

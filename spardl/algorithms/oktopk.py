@@ -124,6 +124,13 @@ class OkTopk(Allreducer):
         self.global_threshold = math.nan
 
     # -- Algorithm 1 ------------------------------------------------------------------------
+    def _first_selection(self):
+        # With the exact selector the local top-k rides on the X = g + E pass; the threshold
+        # selector's pass needs its threshold and count check (selection.py), so it stays apart.
+        if self.selector.kind != "exact" or self.k == self.n:
+            return None
+        return np.array([self.k]), np.array([0, self.n])
+
     def _reduce(self, x: np.ndarray) -> Reduced:
         dev = A.is_device(x)
         with self.comm.phase("select"):
@@ -131,7 +138,8 @@ class OkTopk(Allreducer):
                 # Density 1 drops nothing: no threshold may guess otherwise (cases C6, C9).
                 sel_idx, sel_val = A.arange(self.n, dev), A.copy(x)
             else:
-                sel_idx, sel_val = self.selector.select(x, self.k)
+                pre = self._preselected(0, self.k)
+                sel_idx, sel_val = pre if pre is not None else self.selector.select(x, self.k)
         with self.comm.phase("split_reduce"):
             bounds = self.bounds
             if bounds is None or self.step % self.tau == 0:
