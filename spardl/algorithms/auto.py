@@ -4,8 +4,10 @@ Each candidate's step is predicted as the α-β cost of its communication
 (:func:`spardl.cost_model.predict`, α and β measured by a short ping-pong at construction, given,
 or read from a ``spardl bench pingpong --json`` fit) plus its local work, measured: the first
 steps run every candidate in turn (``trials`` steps each), and a step's local work is its wall time
-less the time spent inside MPI calls. The candidates are steps of real allreducers (docs/design.md
-§12), so nothing is spent on trials that a fixed choice would not spend on steps.
+less the model's communication, that is everything the model does not price (the kernels, MPI's
+own reduction arithmetic, waiting for slower ranks and for a shared core). Trial steps are real
+steps (their results are the allreduce's), so a trial costs only its excess over the best
+candidate's step. docs/design.md §12.
 
 The residual is this allreducer's own: a sparse candidate's ``_reduce`` gets X = g + E and returns
 the new E, exactly as it does inside its own allreducer, so a switch between sparse candidates
@@ -151,10 +153,11 @@ class Auto(Allreducer):
         of the other candidates only.
     interval : int, default 100
         Steps between decisions (after the trials), ≥ 1.
-    trials : int, default 2
+    trials : int, default 3
         Steps each candidate runs first, in turn, to measure its local work (the least of its
         last ``trials`` steps is its estimate, the current candidate's refreshed by every step
-        it runs). 0: no trials; the choice is the model's communication time alone.
+        it runs; the first step of each absorbs first-call costs). 0: no trials; the choice is
+        the model's communication time alone.
     alpha, beta : float, optional
         Seconds per message and per byte, ≥ 0, both or neither. Default: measured at
         construction by a ping-pong between ranks 0 and 1 (about 50 round trips of 8 B to
@@ -190,7 +193,7 @@ class Auto(Allreducer):
     options: dict = {
         "candidates": None,
         "interval": 100,
-        "trials": 2,
+        "trials": 3,
         "alpha": None,
         "beta": None,
         "fit": None,
@@ -246,8 +249,8 @@ class Auto(Allreducer):
         self._given = given
         self.conserves = all(_CLASSES[c.algorithm].conserves for c in self.cands)
         self.window = max(1, self.trials)
-        self._local = [deque(maxlen=self.window) for _ in self.cands]
-        self._wall = [deque(maxlen=self.window) for _ in self.cands]
+        # Per candidate, its last steps' (local, wall, inside MPI) seconds on this rank.
+        self._times = [deque(maxlen=self.window) for _ in self.cands]
 
     def _rates(self) -> tuple[float, float, str]:
         """(α, β, where they come from), the same on every rank (collective)."""
@@ -357,8 +360,8 @@ class Auto(Allreducer):
             i = self._choice
             if not self._dense_now():
                 self._inner(i).step += 1  # Ok-Topk's periodic re-estimations count its steps
-            self._local[i].append(max(wall - inside, 0.0))
-            self._wall[i].append(wall)
+            local = wall - self._communication(self.cands[i])
+            self._times[i].append((local, wall, inside))
             self._after_step()
         return out
 
@@ -424,42 +427,60 @@ class Auto(Allreducer):
         sparse = (np.dtype(wire_index_dtype(self.n)).itemsize + work.itemsize) / 2
         return sparse, float(work.itemsize)
 
-    def predictions(self, local=None) -> dict:
-        """Each candidate's predicted step: {name: {"communication", "local", "predicted"}}.
+    def _communication(self, c: Candidate) -> float:
+        """The model's seconds of communication of one step of candidate ``c`` now (this
+        density, dtype and wire; α and β)."""
+        sparse_wb, dense_wb = self._word_bytes()
+        return cost_model.predict(
+            c.algorithm,
+            self.P,
+            self.n,
+            self.density,
+            teams=c.teams,
+            alpha=self.alpha,
+            beta=self.beta,
+            word_bytes=dense_wb if c.algorithm == "dense" else sparse_wb,
+            wire=self.wire,
+        )["seconds"]
+
+    def _estimates(self) -> list[list[float]]:
+        """This rank's (local, wall, inside MPI) estimate per candidate: the least of each over
+        its last steps; wall = −1 when it has not run."""
+        return [[min(t[j] for t in w) if w else -1.0 for j in range(3)] for w in self._times]
+
+    def predictions(self, estimates=None) -> dict:
+        """Each candidate's predicted step now.
 
         Parameters
         ----------
-        local : sequence of float, optional
-            Local seconds per candidate (negative: not measured, counted as 0). Default: this
-            rank's own estimates (the decisions use the maximum over ranks instead).
+        estimates : sequence of (local, wall, mpi), optional
+            Seconds per candidate (wall < 0: not measured). Default: this rank's own
+            (the decisions use the maximum over ranks of each instead).
 
         Returns
         -------
         dict
-            Seconds: the model's communication at this allreducer's α and β, the local work
-            (None when not measured) and their sum, in candidate order.
+            {name: {"communication", "local", "predicted", "measured", "mpi"}}, in candidate
+            order, in seconds: the model's communication at this allreducer's α and β now; the
+            local work, what the candidate's steps took beyond the model's communication at the
+            time (the least of its last steps; negative where the model overestimates the
+            communication; None when not measured or ``trials=0``); the predicted step, their
+            sum (at least 0); the measured step and the time inside MPI calls (None when not
+            measured).
         """
-        if local is None:
-            local = [min(w) if w else -1.0 for w in self._local]
-        sparse_wb, dense_wb = self._word_bytes()
+        if estimates is None:
+            estimates = self._estimates()
         out = {}
-        for c, loc in zip(self.cands, local, strict=True):
-            comm = cost_model.predict(
-                c.algorithm,
-                self.P,
-                self.n,
-                self.density,
-                teams=c.teams,
-                alpha=self.alpha,
-                beta=self.beta,
-                word_bytes=dense_wb if c.algorithm == "dense" else sparse_wb,
-                wire=self.wire,
-            )["seconds"]
-            measured = self.trials > 0 and loc >= 0
+        for c, (loc, wall, mpi) in zip(self.cands, estimates, strict=True):
+            comm = self._communication(c)
+            seen = wall >= 0
+            use = self.trials > 0 and seen
             out[c.name] = {
                 "communication": comm,
-                "local": float(loc) if measured else None,
-                "predicted": comm + (float(loc) if measured else 0.0),
+                "local": float(loc) if use else None,
+                "predicted": max(comm + (float(loc) if use else 0.0), 0.0),
+                "measured": float(wall) if seen else None,
+                "mpi": float(mpi) if seen else None,
             }
         return out
 
@@ -468,18 +489,12 @@ class Auto(Allreducer):
         candidate predicted, and rank 0's choice broadcast. With ``incumbent`` (a decision
         after the first) the current candidate keeps its place unless another one is predicted
         faster by the ``hysteresis`` margin."""
-        C = len(self.cands)
-        mine = np.array(
-            [min(w) if w else -1.0 for w in self._local]
-            + [min(w) if w else -1.0 for w in self._wall]
-        )
+        mine = np.array(self._estimates(), dtype=np.float64)  # rows: local, wall, MPI
         agreed = np.empty_like(mine)
         self.comm.mpi.Allreduce(mine, agreed, op=MPI.MAX)
-        pred = self.predictions(agreed[:C].tolist())
-        for p, wall in zip(pred.values(), agreed[C:], strict=True):
-            p["measured"] = float(wall) if wall >= 0 else None
+        pred = self.predictions(agreed.tolist())
         times = [p["predicted"] for p in pred.values()]
-        best = min(range(C), key=lambda j: (times[j], j))
+        best = min(range(len(times)), key=lambda j: (times[j], j))
         cur, choice = self._choice, best
         if incumbent and times[best] >= (1 - self.hysteresis) * times[cur]:
             choice = cur
@@ -537,14 +552,13 @@ class Auto(Allreducer):
             "flush": self._flush,
             "inner": self._inner_state(i),
             "trial_start": self._trial_start,
-            "local": [list(w) for w in self._local],
-            "wall": [list(w) for w in self._wall],
+            "times": [[list(t) for t in w] for w in self._times],
         }
 
     def _load_extra_state(self, state) -> None:
         if not state:  # a state without it (folded for another world size): trials afresh
             self._trial_start = self.step
-            for w in (*self._local, *self._wall):
+            for w in self._times:
                 w.clear()
             self._choice = 0
             self._flush = (
@@ -556,9 +570,8 @@ class Auto(Allreducer):
         names = [c.name for c in self.cands]
         if state["choice"] not in names:
             raise ValueError(f"state chose {state['choice']!r}, not among candidates {names}")
-        for key in ("local", "wall"):
-            if len(state[key]) != len(names):
-                raise ValueError(f"state holds {key} times of {len(state[key])} candidates")
+        if len(state["times"]) != len(names):
+            raise ValueError(f"state holds the times of {len(state['times'])} candidates")
         i = names.index(state["choice"])
         inner = state["inner"]
         if inner is not None:
@@ -569,11 +582,9 @@ class Auto(Allreducer):
         self._choice, self._flush = i, bool(state["flush"])
         self.device_resident = _CLASSES[self.cands[i].algorithm].device_resident
         self._trial_start = int(state["trial_start"])
-        for w, saved in zip(
-            (*self._local, *self._wall), (*state["local"], *state["wall"]), strict=True
-        ):
+        for w, saved in zip(self._times, state["times"], strict=True):
             w.clear()
-            w.extend(float(t) for t in saved)
+            w.extend(tuple(float(v) for v in t) for t in saved)
         self._report()
 
     def __repr__(self) -> str:
@@ -585,8 +596,9 @@ class Auto(Allreducer):
 
 
 def explain(report: dict) -> str:
-    """``stats["auto"]`` as a table: one line per candidate (communication, local work,
-    predicted and measured step, in ms), the choice marked.
+    """``stats["auto"]`` as a table: one line per candidate (the model's communication, the
+    local work, their sum, and the measured step and time inside MPI, in ms), the choice
+    marked.
 
     Parameters
     ----------
@@ -606,7 +618,8 @@ def explain(report: dict) -> str:
     )
     lines = [
         head,
-        f"  {'candidate':<14} {'comm ms':>9} {'local ms':>9} {'predicted':>10} {'measured':>9}",
+        f"  {'candidate':<14} {'comm ms':>9} {'local ms':>9} {'predicted':>10} "
+        f"{'measured':>9} {'in MPI':>9}",
     ]
 
     def ms(v):
@@ -619,6 +632,6 @@ def explain(report: dict) -> str:
             continue
         lines.append(
             f"{mark} {name:<14} {ms(p['communication']):>9} {ms(p['local']):>9} "
-            f"{ms(p['predicted']):>10} {ms(p.get('measured')):>9}"
+            f"{ms(p['predicted']):>10} {ms(p.get('measured')):>9} {ms(p.get('mpi')):>9}"
         )
     return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""``auto`` against every fixed candidate in one run: step time per allreducer, interleaved.
+
+    mpiexec -n 4 .venv/bin/python bench/auto_step.py --n 2500000 --density 0.01
+
+Every rank steps every allreducer on the same gradients (a few per rank, drawn once, cycled).
+A step's time is the slowest rank's (a barrier before each step, the maximum after). After
+``--warmup`` untimed steps of each fixed choice and ``auto``'s trials, rounds interleave the
+allreducers (``--rounds`` rounds of ``--steps`` steps each, the order rotated every round), so
+that a change in the machine's load falls on all of them alike.
+``auto`` runs from its construction: its trial steps are counted in "auto (all)", and "auto
+(chosen)" counts its steps after the trials; the trials amortised over its first decision
+interval are printed below the table (median and mean ms per step, ratio of medians to the best
+fixed choice), with ``auto``'s explanation (``stats["auto"]``), on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import spardl  # noqa: E402
+from spardl.algorithms.auto import candidate_names, explain  # noqa: E402
+
+
+def _fixed(name: str):
+    """(algorithm, options) of a candidate name."""
+    if name.startswith("spardl:d="):
+        return "spardl", {"teams": int(name.removeprefix("spardl:d="))}
+    return name, {}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=2_500_000)
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per round")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--interval", type=int, default=100, help="auto's interval")
+    ap.add_argument("--trials", type=int, default=3, help="auto's trials")
+    ap.add_argument("--grads", type=int, default=3, help="gradients per rank, cycled")
+    a = ap.parse_args(argv)
+    world = MPI.COMM_WORLD
+    rank, P = world.Get_rank(), world.Get_size()
+    rng = np.random.default_rng(rank)
+    grads = [(rng.standard_t(3, a.n) * 1e-3).astype(np.float32) for _ in range(a.grads)]
+    names = candidate_names(P)
+    fixed = {}
+    for name in names:
+        algorithm, opts = _fixed(name)
+        fixed[name] = spardl.make(algorithm, world, a.n, density=a.density, **opts)
+    t0 = time.perf_counter()
+    auto = spardl.make("auto", world, a.n, density=a.density, interval=a.interval, trials=a.trials)
+    built = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    times = {name: [] for name in [*names, "auto (all)", "auto (chosen)"]}
+    trial_times = []
+    counter = [0]
+
+    def step(ar) -> float:
+        g = grads[counter[0] % len(grads)]
+        counter[0] += 1
+        world.Barrier()
+        t = time.perf_counter()
+        ar(g)
+        return world.allreduce(time.perf_counter() - t, op=MPI.MAX)
+
+    for name in names:
+        for _ in range(a.warmup):
+            step(fixed[name])
+    T = a.trials * len(names)
+    while auto.step < T:  # the trials, then rounds in a rotating order
+        t = step(auto)
+        times["auto (all)"].append(t)
+        trial_times.append(t)
+    order = [*names, "auto"]
+    for r in range(a.rounds):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            if name != "auto":
+                times[name] += [step(fixed[name]) for _ in range(a.steps)]
+                continue
+            for _ in range(a.steps):
+                t = step(auto)
+                times["auto (all)"].append(t)
+                times["auto (chosen)"].append(t)
+    if rank == 0:
+        load = os.getloadavg()
+        print(
+            f"# P = {P}, n = {a.n}, density {a.density}, float32; {a.rounds} rounds x "
+            f"{a.steps} steps; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
+            f"auto built in {built * 1e3:.1f} ms (ping-pong included)"
+        )
+        best = min(names, key=lambda k: float(np.median(times[k])))
+        ref = float(np.median(times[best]))
+        print(f"{'allreducer':<16} {'median ms':>10} {'mean ms':>9} {'steps':>6} {'/ best':>7}")
+        for name, ts in times.items():
+            med = float(np.median(ts))
+            print(
+                f"{name:<16} {med * 1e3:>10.2f} {float(np.mean(ts)) * 1e3:>9.2f} "
+                f"{len(ts):>6} {med / ref:>7.3f}"
+            )
+        chosen = float(np.median(times["auto (chosen)"]))
+        first = (sum(trial_times) + a.interval * chosen) / (T + a.interval)
+        print(
+            f"best fixed choice: {best}; auto's first {T} + {a.interval} steps (its trials, "
+            f"then the chosen step's median): {first * 1e3:.2f} ms per step, "
+            f"{first / ref:.3f} x the best"
+        )
+        print(explain(auto.stats["auto"]))
+        print("trial steps (ms):", " ".join(f"{t * 1e3:.1f}" for t in trial_times))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
