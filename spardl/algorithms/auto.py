@@ -59,7 +59,7 @@ _CLASSES = {
 DEFAULT = ("dense", "spardl", "oktopk", "topka")
 #: Ping-pong sizes (bytes) and round trips per size of the measurement at construction.
 PINGPONG_SIZES = (8, 4096, 262144)
-PINGPONG_REPEAT = 8
+PINGPONG_REPEAT = 5
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class Auto(Allreducer):
         the model's communication time alone.
     alpha, beta : float, optional
         Seconds per message and per byte, ≥ 0, both or neither. Default: measured at
-        construction by a ping-pong between ranks 0 and 1 (about 50 round trips of 8 B to
+        construction by a ping-pong between ranks 0 and 1 (18 round trips of 8 B to
         256 KiB, :func:`spardl.pingpong.pingpong`); 0 on one rank.
     fit : str or os.PathLike, optional
         A JSON file written by ``spardl bench pingpong --json PATH`` (its ``alpha`` and
