@@ -11,6 +11,7 @@ import inspect
 
 MODULES = [
     "spardl_kernels",
+    "spardl_kernels.cpu.wire",
     "spardl",
     "spardl.comm",
     "spardl.algorithms.base",
