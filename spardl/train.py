@@ -115,9 +115,16 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--algorithm",
-        choices=sorted(ALGORITHMS),
+        choices=[*sorted(ALGORITHMS), "auto"],
         default=d["algorithm"],
-        help="allreduce algorithm (default: %(default)s)",
+        help="allreduce algorithm; auto: the one predicted fastest, chosen again as it runs "
+        "(docs/design.md §12) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="with --algorithm auto: print its choice and every candidate's predicted and "
+        "measured step at the end (rank 0), also kept in metrics.json",
     )
     p.add_argument(
         "--density",
@@ -352,6 +359,8 @@ def _check_args(args, P: int) -> None:
         raise UsageError("--momentum-correction needs error feedback: not with --residual none")
     if args.algorithm != "spardl" and args.teams != 1:
         raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
+    if getattr(args, "explain", False) and args.algorithm != "auto":
+        raise UsageError("--explain applies to --algorithm auto only")
     if args.algorithm == "spardl" and P % args.teams:
         raise UsageError(f"--teams must divide the number of ranks P={P}, got {args.teams}")
 
@@ -874,8 +883,13 @@ def run(args, world) -> dict | None:
 
         dist.destroy_process_group()
     job.free()
+    auto = tr.stats.get("auto")
     if rank != 0:
         return None
+    if auto is not None and getattr(args, "explain", False):
+        from .algorithms.auto import explain
+
+        print(explain(auto), flush=True)
 
     metrics = {
         "task": args.task,
@@ -903,6 +917,8 @@ def run(args, world) -> dict | None:
         "bytes_sent_by_rank": [int(b) for b in sent],
         "history": history,
     }
+    if auto is not None:
+        metrics["auto"] = auto
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
