@@ -286,6 +286,22 @@ def test_bad_dgc_options_are_usage_errors(option, message):
         _check_args(args, 2)
 
 
+def test_explain_applies_to_auto_only():
+    """--algorithm auto is a choice; --explain with another algorithm is a usage error."""
+    from spardl.cli import build_parser
+    from spardl.cli.common import UsageError
+    from spardl.train import _check_args, _resolve_task
+
+    args = build_parser().parse_args(["train", *COMMON[3:], "--explain"])
+    _resolve_task(args)
+    with pytest.raises(UsageError, match="--explain applies to --algorithm auto only"):
+        _check_args(args, 2)
+    args = build_parser().parse_args(["train", *COMMON[3:], "--algorithm", "auto", "--explain"])
+    _resolve_task(args)
+    _check_args(args, 2)
+    assert args.algorithm == "auto" and args.explain
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [
