@@ -68,6 +68,14 @@ def _args(argv):
         help="one or several densities ρ (a sweep)",
     )
     ap.add_argument("--teams", type=int, default=1, help="SparDL's d")
+    ap.add_argument(
+        "--wire",
+        nargs="+",
+        choices=["coo", "compact"],
+        default=["coo"],
+        help="wire formats of the sparse allreducers (several: one row each; a row of another "
+        "format than coo is labelled 'algorithm (format)')",
+    )
     ap.add_argument("--repeat", type=int, default=10, help="timed calls per row")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per row")
     ap.add_argument("--dtype", default="float32", choices=["float16", "float32", "float64"])
@@ -250,17 +258,24 @@ def main(argv=None):
                     )
                 results[(alg, density)] = dense
                 continue
+            for wire in a.wire:
+                opts = {"density": density}
+                if alg == "spardl":
+                    opts["teams"] = a.teams
+                if wire != "coo":
+                    opts["wire"] = wire
+                label = alg if wire == "coo" else f"{alg} ({wire})"
+                results[(label, density)] = measure(
+                    comm,
+                    lambda alg=alg, opts=opts: spardl.make(alg, comm, a.n, **opts),
+                    g,
+                    a.warmup,
+                    a.repeat,
+                    peer,
+                )
             opts = {"density": density}
             if alg == "spardl":
                 opts["teams"] = a.teams
-            results[(alg, density)] = measure(
-                comm,
-                lambda alg=alg, opts=opts: spardl.make(alg, comm, a.n, **opts),
-                g,
-                a.warmup,
-                a.repeat,
-                peer,
-            )
             if a.check_cost and alg == "spardl":
                 unchecked = {**opts, "check": False}
                 results[("spardl (check=False)", density)] = measure(
