@@ -114,8 +114,9 @@ def main(argv=None) -> int:
             f"best fixed choice: {best}; auto's first {T} + {a.interval} steps (its trials as "
             f"timed, then the chosen step's median): {first * 1e3:.2f} ms per step, "
             f"{first / ref:.3f} x the best; the trials at the rounds' medians cost {extra:.1f} "
-            f"best steps: {(T + a.interval + extra) / (T + a.interval):.3f} x over the first "
-            f"{T + a.interval} steps, {(1000 + extra) / 1000:.3f} x over 1000"
+            f"best steps: {(T + extra + a.interval * chosen / ref) / (T + a.interval):.3f} x "
+            f"over the first {T + a.interval} steps, "
+            f"{(T + extra + (1000 - T) * chosen / ref) / 1000:.3f} x over 1000"
         )
         print(explain(auto.stats["auto"]))
         print("trial steps (ms):", " ".join(f"{t * 1e3:.1f}" for t in trial_times))
