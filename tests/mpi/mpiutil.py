@@ -69,10 +69,52 @@ def pytest_sessionfinish(session, exitstatus):
         json.dump({**_OUTCOMES, "exitstatus": int(exitstatus)}, f)
 
 
+#: The communicators a test marked ``every_comm`` runs on, as mpi4py's own tests do: the world;
+#: the world with its ranks reversed (a rank's number in ``comm`` is not its world rank, and its
+#: neighbours are others); the world split into two halves that run the test side by side
+#: (``comm`` is smaller than the world, and another group's traffic runs alongside).
+COMM_KINDS = ("world", "reversed", "halves")
+
+
+def comm_kinds(world_size: int) -> list[str]:
+    """The kinds of :data:`COMM_KINDS` that are new at this world size (at P = 1 the other two
+    are the world again)."""
+    return list(COMM_KINDS) if world_size > 1 else ["world"]
+
+
+def make_comm(kind: str):
+    """A new communicator of ``kind`` over the world's ranks (collective; free it after use)."""
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    if kind == "reversed":
+        return world.Split(0, size - 1 - rank)
+    if kind == "halves":
+        return world.Split(2 * rank // size, rank)
+    raise ValueError(f"unknown communicator kind {kind!r}")
+
+
+def pytest_generate_tests(metafunc):
+    """A test marked ``every_comm`` runs once per communicator kind (:data:`COMM_KINDS`).
+
+    Re-exported by the conftest.py of the folders that use the mark."""
+    if "comm" in metafunc.fixturenames and metafunc.definition.get_closest_marker("every_comm"):
+        kinds = comm_kinds(MPI.COMM_WORLD.Get_size())
+        metafunc.parametrize("comm", kinds, indirect=True, ids=[f"comm_{k}" for k in kinds])
+
+
 @pytest.fixture
-def comm():
-    """The world communicator (every rank runs every test)."""
-    return MPI.COMM_WORLD
+def comm(request):
+    """The world communicator (every rank runs every test), or for a test marked
+    ``every_comm`` each communicator of :data:`COMM_KINDS` in turn."""
+    kind = getattr(request, "param", "world")
+    if kind == "world":
+        yield MPI.COMM_WORLD
+        return
+    c = make_comm(kind)
+    try:
+        yield c
+    finally:
+        c.Free()
 
 
 def gather_all(comm, obj):

@@ -53,6 +53,7 @@ def test_conservation_over_steps(comm, algorithm, dtype, n, density):
         assert err <= tol, f"step {step}: conservation error {err:.3g}"
 
 
+@pytest.mark.every_comm
 @pytest.mark.parametrize("algorithm", ALGS)
 def test_c1_output_is_the_top_selection(comm, algorithm):
     """C1 (any P; the reported fault was at P = 1): the output holds the largest entries."""
@@ -71,6 +72,7 @@ def test_c1_output_is_the_top_selection(comm, algorithm):
         assert out.nnz >= 1
 
 
+@pytest.mark.every_comm
 @pytest.mark.parametrize("algorithm", ALGS)
 def test_c2_a_rank_with_nothing_to_send(comm, algorithm):
     """C2: rank 1's gradient is all zeros; same output everywhere, no hang, conservation."""
@@ -87,6 +89,7 @@ def test_c2_a_rank_with_nothing_to_send(comm, algorithm):
             assert conservation_error(comm, x, out.to_dense(), ar.residual, "mean") <= 1e-13
 
 
+@pytest.mark.every_comm
 @pytest.mark.parametrize("algorithm", ALGS)
 @pytest.mark.parametrize("density", [0.5, 0.2])
 def test_c3_uneven_splits(comm, algorithm, density):
@@ -103,6 +106,7 @@ def test_c3_uneven_splits(comm, algorithm, density):
         assert conservation_error(comm, x, out.to_dense(), ar.residual, "mean") <= 2e-6
 
 
+@pytest.mark.every_comm
 @pytest.mark.parametrize("algorithm", ALGS)
 def test_c4_single_nonzero_is_reduced(comm, algorithm):
     """C4: rank r holds (r+1)·e₀; the output at index 0 is the mean (P+1)/2, nothing else."""
@@ -257,6 +261,7 @@ def test_state_from_another_configuration_is_rejected(comm, algorithm):
             c.load_state_dict(a.state_dict())
 
 
+@pytest.mark.every_comm
 @pytest.mark.parametrize("algorithm", ALGS)
 def test_sum_is_P_times_mean(comm, algorithm):
     n = 200

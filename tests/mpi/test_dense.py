@@ -31,6 +31,7 @@ def _reference(comm, g, op):
     return total.astype(g.dtype)
 
 
+@pytest.mark.every_comm
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["mean", "sum"])
 def test_equals_mpi_allreduce_bit_for_bit(comm, dtype, op):

@@ -35,6 +35,7 @@ def _check_against_reference(comm, ar, xs, want_bounds=None):
     return bounds
 
 
+@pytest.mark.every_comm
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(("n", "density"), [(13, 0.5), (5, 0.2), (200, 0.05), (1001, 0.01)])
 def test_first_step_equals_the_reference(comm, dtype, n, density):

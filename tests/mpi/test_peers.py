@@ -35,6 +35,7 @@ def _ref_mean(sums, P, dtype):
     return sums.astype(dtype)
 
 
+@pytest.mark.every_comm
 @pytest.mark.parametrize("algorithm", PEERS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n,density", [(13, 0.3), (1001, 0.3), (None, 0.1)])
@@ -98,6 +99,7 @@ def test_gtopk_reports_dropped_mass(comm):
     assert full.stats["dropped_mass"] == 0.0
 
 
+@pytest.mark.every_comm
 @pytest.mark.parametrize("algorithm", PEERS)
 @pytest.mark.parametrize("dtype,n", [(np.float64, 13), (np.float32, 1001)])
 def test_density_one_exact_mean(comm, algorithm, dtype, n):
@@ -181,6 +183,7 @@ def test_c3_uneven_splits(comm, algorithm):
     assert_sparse_equal(out, ri, _ref_mean(rv, comm.size, np.float64))
 
 
+@pytest.mark.every_comm
 @pytest.mark.parametrize("algorithm", PEERS)
 def test_c4_single_coordinate_is_reduced(comm, algorithm):
     """C4: rank r sends (r+1)·e₀: the output is index 0 with the mean (P+1)/2 (2.5 at P = 4)."""
