@@ -15,6 +15,7 @@ MODULES = [
     "spardl",
     "spardl.comm",
     "spardl.algorithms.base",
+    "spardl.algorithms.auto",
     "spardl.result",
     "spardl.selection",
     "spardl.schedules",
