@@ -166,8 +166,8 @@ class Auto(Allreducer):
         A JSON file written by ``spardl bench pingpong --json PATH`` (its ``alpha`` and
         ``beta``), read by rank 0. Not with ``alpha`` and ``beta``.
     hysteresis : float, default 0.05
-        A decision switches only if the best prediction is below (1 − hysteresis) times the
-        current candidate's, in [0, 1).
+        A decision after the first switches only if the best prediction is below
+        (1 − hysteresis) times the current candidate's, in [0, 1).
 
     Raises
     ------
