@@ -101,9 +101,19 @@ _PER_TASK = ("epochs", "batch_size", "lr", "width", *_TASK_ONLY["lm"])
 
 
 def add_arguments(p) -> None:
-    """Add the training options to an argparse parser (values range-checked at parse time)."""
+    """Add the training options to an argparse parser (values range-checked at parse time), in
+    groups: what is trained and how gradients are reduced, the schedule, the model's shape, the
+    warm-up and Deep Gradient Compression's techniques, and the run's files."""
+    _add_reduction_options(p)
+    _add_schedule_options(p)
+    _add_model_options(p)
+    _add_dgc_options(p)
+    _add_run_options(p)
+
+
+def _add_reduction_options(p) -> None:
+    """--task, --algorithm, --density, --teams, --residual."""
     from . import ALGORITHMS
-    from .lm import DEFAULTS as lm
 
     d = DEFAULTS
     p.add_argument(
@@ -152,6 +162,13 @@ def add_arguments(p) -> None:
         "indices, 16-bit values whose rounding stays in the residual; docs/design.md §2.1) "
         "(default: %(default)s)",
     )
+
+
+def _add_schedule_options(p) -> None:
+    """Epochs or steps, batch size, learning rate, momentum."""
+    from .lm import DEFAULTS as lm
+
+    d = DEFAULTS
     p.add_argument(
         "--epochs",
         type=_RANGED["epochs"],
@@ -191,6 +208,13 @@ def add_arguments(p) -> None:
         default=d["momentum"],
         help="SGD momentum; lm: AdamW's beta1 (default: %(default)s)",
     )
+
+
+def _add_model_options(p) -> None:
+    """The model's shape (CNN width; transformer width, layers, heads, context) and the seed."""
+    from .lm import DEFAULTS as lm
+
+    d = DEFAULTS
     p.add_argument(
         "--width",
         type=_RANGED["width"],
@@ -217,6 +241,10 @@ def add_arguments(p) -> None:
         help=f"lm only: characters per window (default: {lm['context']})",
     )
     p.add_argument("--seed", type=int, default=d["seed"], help="default: %(default)s")
+
+
+def _add_dgc_options(p) -> None:
+    """The dense warm-up and Deep Gradient Compression's techniques (arXiv 1712.01887)."""
     p.add_argument(
         "--warmup-steps",
         type=_RANGED["warmup_steps"],
@@ -259,6 +287,11 @@ def add_arguments(p) -> None:
         default=None,
         help="the density warm-up's first density, at least --density (default: 0.25)",
     )
+
+
+def _add_run_options(p) -> None:
+    """The communication hook, outputs, checkpoints and resuming."""
+    d = DEFAULTS
     p.add_argument(
         "--hook",
         choices=("reducer", "ddp"),
@@ -786,7 +819,6 @@ def run(args, world) -> dict | None:
     import torch
 
     from .comm import Comm
-    from .torch import SparseGradientReducer, SparseHookState, sparse_allreduce_hook
 
     _resolve_task(args)
     _check_args(args, world.Get_size())
@@ -798,78 +830,14 @@ def run(args, world) -> dict | None:
     _check_paths(args, job)
     resumed_ck = _check_resume(args, job)
 
-    if args.task == "lm":
-        from . import lm
-
-        torch.manual_seed(args.seed)  # identical initial replicas on every rank
-        data, model = lm.setup(args, rank, P)
-        loop = lm.train
-    else:
-        data, model = _digits_setup(args, rank, P)
-        loop = _train_digits
-    options = {"density": args.density, "residual": args.residual}
-    if getattr(args, "wire", "coo") != "coo":
-        options["wire"] = args.wire
-    if args.algorithm == "spardl":
-        options["teams"] = args.teams
-    options.update(
-        momentum_correction=args.momentum if args.momentum_correction else None,
-        factor_masking=not args.no_factor_masking,
-        clip_norm=args.clip_norm,
-        density_warmup=args.density_warmup,
-        warmup_density=args.warmup_density if args.density_warmup else None,
-    )
-    # Momentum correction moves the momentum into the velocity the allreduce sparsifies: the
-    # optimizer then runs without it (arXiv 1712.01887 §3.2).
-    opt_momentum = 0.0 if args.momentum_correction else args.momentum
-
-    hook_state = reducer = None
-    if args.hook == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from .torch import init_process_group_from_mpi
-
-        init_process_group_from_mpi(world)
-        warm = 2 if args.warmup_steps is None else args.warmup_steps
-        hook_state = SparseHookState(
-            world, args.algorithm, warmup_steps=warm, model=model, **options
-        )
-        net = DDP(model)
-        net.register_comm_hook(hook_state, sparse_allreduce_hook)
-    else:
-        warm = 0 if args.warmup_steps is None else args.warmup_steps
-        reducer = SparseGradientReducer(
-            model.named_parameters(), world, args.algorithm, warmup_steps=warm, **options
-        )
-        net = model
-    if args.task == "lm":
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=args.lr, betas=(opt_momentum, 0.99), weight_decay=0.0
-        )
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=opt_momentum)
-
+    data, model, loop = _task_setup(args, rank, P)
+    net, reducer, hook_state = _gradient_allreduce(args, world, model)
+    opt = _optimizer(args, model)
     resumed = None
     if args.resume is not None:
-        ck = resumed_ck  # loaded and checked against this run's options by _check_resume
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        target = reducer if reducer is not None else hook_state
-        if "resize" in ck:
-            from .elastic import load_rank_states
-
-            P_saved, states = ck["resize"]
-            load_rank_states(target, states, P_saved)
-            if rank == 0:
-                print(
-                    f"spardl train: resumed at P={P} from a checkpoint of P={P_saved}: residuals "
-                    "folded, thresholds re-estimated (docs/reliability.md §4)",
-                    flush=True,
-                )
-        else:
-            target.load_state_dict(ck["reducer"])
-        resumed = ck
-        t_start -= ck.get("elapsed", 0.0)
+        resumed = resumed_ck  # loaded and checked against this run's options by _check_resume
+        _load_checkpoint(resumed, model, opt, reducer if reducer is not None else hook_state, job)
+        t_start -= resumed.get("elapsed", 0.0)
 
     tr = _Trainer(args, job, model, net, opt, reducer, hook_state, t_start)
     history, task_metrics = loop(tr, data, resumed)
@@ -890,8 +858,124 @@ def run(args, world) -> dict | None:
         from .algorithms.auto import explain
 
         print(explain(auto), flush=True)
-
     metrics = {
+        **_run_metrics(args, P, tr.n_params),
+        **task_metrics,
+        "wall_seconds": wall,
+        "bytes_sent_per_rank": float(sent.mean()),
+        "bytes_sent_by_rank": [int(b) for b in sent],
+        "history": history,
+    }
+    if auto is not None:
+        metrics["auto"] = auto
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        (_plot_lm if args.task == "lm" else _plot)(metrics, args.out / "training.png")
+        tr.log(f"wrote {args.out / 'metrics.json'} and {args.out / 'training.png'}")
+    return metrics
+
+
+def _task_setup(args, rank: int, P: int):
+    """(data, model, training loop) of ``args.task``; the model identical on every rank."""
+    if args.task == "lm":
+        import torch
+
+        from . import lm
+
+        torch.manual_seed(args.seed)  # identical initial replicas on every rank
+        data, model = lm.setup(args, rank, P)
+        return data, model, lm.train
+    data, model = _digits_setup(args, rank, P)
+    return data, model, _train_digits
+
+
+def _optimizer_momentum(args) -> float:
+    """Momentum correction moves the momentum into the velocity the allreduce sparsifies: the
+    optimizer then runs without it (arXiv 1712.01887 §3.2)."""
+    return 0.0 if args.momentum_correction else args.momentum
+
+
+def _allreducer_options(args) -> dict:
+    """The options of the sparse allreducer and of Deep Gradient Compression's techniques."""
+    options = {"density": args.density, "residual": args.residual}
+    if getattr(args, "wire", "coo") != "coo":
+        options["wire"] = args.wire
+    if args.algorithm == "spardl":
+        options["teams"] = args.teams
+    options.update(
+        momentum_correction=args.momentum if args.momentum_correction else None,
+        factor_masking=not args.no_factor_masking,
+        clip_norm=args.clip_norm,
+        density_warmup=args.density_warmup,
+        warmup_density=args.warmup_density if args.density_warmup else None,
+    )
+    return options
+
+
+def _gradient_allreduce(args, world, model):
+    """(net, reducer, hook_state): the model itself with a :class:`SparseGradientReducer` for
+    the plain loop, or the model in DDP with the communication hook's state (``--hook ddp``);
+    the other one None."""
+    from .torch import SparseGradientReducer, SparseHookState, sparse_allreduce_hook
+
+    options = _allreducer_options(args)
+    if args.hook == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from .torch import init_process_group_from_mpi
+
+        init_process_group_from_mpi(world)
+        warm = 2 if args.warmup_steps is None else args.warmup_steps
+        hook_state = SparseHookState(
+            world, args.algorithm, warmup_steps=warm, model=model, **options
+        )
+        net = DDP(model)
+        net.register_comm_hook(hook_state, sparse_allreduce_hook)
+        return net, None, hook_state
+    warm = 0 if args.warmup_steps is None else args.warmup_steps
+    reducer = SparseGradientReducer(
+        model.named_parameters(), world, args.algorithm, warmup_steps=warm, **options
+    )
+    return model, reducer, None
+
+
+def _optimizer(args, model):
+    """SGD for digits, AdamW for lm (its beta1 is the momentum)."""
+    import torch
+
+    momentum = _optimizer_momentum(args)
+    if args.task == "lm":
+        return torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=(momentum, 0.99), weight_decay=0.0
+        )
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum)
+
+
+def _load_checkpoint(ck: dict, model, opt, target, job) -> None:
+    """Restore the model, the optimizer and the allreducer's state (``target``: the reducer or
+    the hook state) from this rank's checkpoint; a checkpoint of another world size is folded
+    into this one (:func:`spardl.elastic.load_rank_states`)."""
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    if "resize" in ck:
+        from .elastic import load_rank_states
+
+        P_saved, states = ck["resize"]
+        load_rank_states(target, states, P_saved)
+        if job.rank == 0:
+            print(
+                f"spardl train: resumed at P={job.size} from a checkpoint of P={P_saved}: "
+                "residuals folded, thresholds re-estimated (docs/reliability.md §4)",
+                flush=True,
+            )
+    else:
+        target.load_state_dict(ck["reducer"])
+
+
+def _run_metrics(args, P: int, n_params: int) -> dict:
+    """The run's options as metrics.json records them (before the task's own metrics)."""
+    return {
         "task": args.task,
         "algorithm": args.algorithm,
         "world_size": P,
@@ -907,24 +991,11 @@ def run(args, world) -> dict | None:
         "clip_norm": args.clip_norm,
         "density_warmup": args.density_warmup,
         "warmup_density": args.warmup_density if args.density_warmup else None,
-        "optimizer_momentum": opt_momentum,
+        "optimizer_momentum": _optimizer_momentum(args),
         "width": args.width,
         "seed": args.seed,
-        "n_params": tr.n_params,
-        **task_metrics,
-        "wall_seconds": wall,
-        "bytes_sent_per_rank": float(sent.mean()),
-        "bytes_sent_by_rank": [int(b) for b in sent],
-        "history": history,
+        "n_params": n_params,
     }
-    if auto is not None:
-        metrics["auto"] = auto
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        (_plot_lm if args.task == "lm" else _plot)(metrics, args.out / "training.png")
-        tr.log(f"wrote {args.out / 'metrics.json'} and {args.out / 'training.png'}")
-    return metrics
 
 
 def _plot_lm(metrics: dict, path: Path) -> None:
