@@ -418,15 +418,18 @@ def pack_wire(blocks, starts, index_dtype, value_dtype, wire="coo"):
     vdt = np.dtype(value_dtype)
     dev = any(A.is_device(a) for b in blocks for a in b)
     counts = np.array([int(b[0].shape[0]) for b in blocks], dtype=np.int64)
-    rel = np.empty(int(counts.sum()), np.int64)
-    vals = np.empty(rel.shape[0], vdt)
-    pos = 0
-    for (idx, val), start, c in zip(blocks, starts, counts.tolist(), strict=True):
-        if c:
-            np.subtract(A.to_host(idx), int(start), out=rel[pos : pos + c], casting="unsafe")
-            vals[pos : pos + c] = A.to_host(val)
-        pos += c
-    buf, dec = wire_codec.encode_blocks(rel, vals, counts)
+    if len(blocks) == 1:  # no concatenation: the block's own arrays
+        idx, vals = A.to_host(blocks[0][0]), np.asarray(A.to_host(blocks[0][1]), vdt)
+    else:
+        idx = np.empty(int(counts.sum()), np.int64)
+        vals = np.empty(idx.shape[0], vdt)
+        pos = 0
+        for (i, v), c in zip(blocks, counts.tolist(), strict=True):
+            idx[pos : pos + c] = A.to_host(i)
+            vals[pos : pos + c] = A.to_host(v)
+            pos += c
+    st = np.array([int(x) for x in starts], dtype=np.int64)
+    buf, dec = wire_codec.encode_blocks(idx, vals, counts, starts=st)
     ends = np.cumsum(counts).tolist()
     delivered = [dec[e - c : e] for e, c in zip(ends, counts.tolist(), strict=True)]
     if dev:
@@ -447,15 +450,14 @@ def unpack_wire(buf, nblocks, starts, index_dtype, value_dtype, wire="coo", devi
     """
     if wire == "coo":
         return unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype)
-    counts, rel, vals = wire_codec.decode_blocks(
-        np.ascontiguousarray(A.to_host(buf)), int(nblocks), value_dtype
+    st = np.array([int(x) for x in starts], dtype=np.int64)
+    counts, idx, vals = wire_codec.decode_blocks(
+        np.ascontiguousarray(A.to_host(buf)), int(nblocks), value_dtype, st
     )
     out = []
     pos = 0
-    for c, start in zip(counts.tolist(), starts, strict=True):
-        idx = rel[pos : pos + c]
-        idx += int(start)
-        pair = (idx, vals[pos : pos + c])
+    for c in counts.tolist():
+        pair = (idx[pos : pos + c], vals[pos : pos + c])
         out.append((A.to_device(pair[0]), A.to_device(pair[1])) if device else pair)
         pos += c
     return out
@@ -767,10 +769,26 @@ class Comm:
         self._acct.received(vol)
         return out
 
-    def allgatherv_bytes(self, buf: np.ndarray) -> list[np.ndarray]:
+    def allgatherv_bytes(self, buf: np.ndarray, pad: bool = False) -> list[np.ndarray]:
         """All-gather variable-size byte buffers (sizes first, then the data): 2 messages.
-        Device ``buf``: the rows are slices of one device buffer."""
+        Device ``buf``: the rows are slices of one device buffer.
+
+        With ``pad`` (host buffers of nearly equal sizes, as compact messages are), every
+        buffer is zero-padded to the largest and one fixed-size ``Allgather`` moves them, counted
+        as (P−1)·largest bytes sent and received: MPICH's ``Allgatherv`` of uneven sizes took
+        15–35× the time of the ``Allgather`` of the padded buffers over shared memory here
+        (4 ranks, 0.8–2 MB each)."""
         sizes = self.allgather_array(np.array([buf.nbytes], dtype=np.int64))[:, 0]
+        if pad and not A.is_device(buf):
+            m = max(int(sizes.max()), 1)
+            send = np.zeros(m, dtype=np.uint8)
+            send[: buf.nbytes] = buf
+            recv = np.empty(m * self.size, dtype=np.uint8)
+            self.mpi.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
+            vol = m * (self.size - 1)
+            self._acct.sent(vol, -1, "allgather")
+            self._acct.received(vol)
+            return [recv[r * m : r * m + sizes[r]] for r in range(self.size)]
         displs = np.zeros(self.size, dtype=np.int64)
         np.cumsum(sizes[:-1], out=displs[1:])
         total = int(sizes.sum())

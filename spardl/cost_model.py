@@ -34,8 +34,8 @@ With P = 1 nothing is sent and every cost is zero.
 Wire formats (docs/design.md §2.1): the formulas count words; ``predict(..., wire="compact")``
 prices them at :func:`compact_pair_bytes`/2 bytes each (delta-coded indices and 16-bit values
 at the given density) instead of ``word_bytes``, and adds the size messages that variable-size
-compact buffers need where "coo" sends a fixed size (topka's and oktopk's all-gather becomes an
-all-gatherv, gtopk's broadcast a size broadcast and a data broadcast).
+compact buffers need where "coo" sends a fixed size (a size all-gather before topka's and
+oktopk's last all-gather, a size broadcast before gtopk's broadcast).
 
 :func:`replay` prices a recorded trace (:mod:`spardl.trace`) with the same rules, message by
 message, so traces of any algorithm, including future ones, need no formula.

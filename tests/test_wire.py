@@ -240,3 +240,44 @@ def test_cost_model_prices_compact_pairs_as_encoded():
     assert cm.predict("topka", 8, 10**6, 0.01, wire="compact")["messages"] == 2
     with pytest.raises(ValueError, match="wire"):
         cm.predict("topka", 4, 1000, 0.01, wire="zip")
+
+
+@SETTINGS
+@given(messages(max_blocks=4, max_count=12), st.lists(st.integers(0, 2**40), max_size=4))
+def test_starts_are_subtracted_and_added_back(msg, offsets):
+    """``starts``: absolute indices in, the same bytes as block-relative ones, absolute out."""
+    idx, val, counts, dtype = msg
+    starts = np.array((offsets + [0] * len(counts))[: len(counts)], np.int64)
+    absolute = idx + np.repeat(starts, counts)
+    buf, dec = W.encode_blocks(absolute, val, counts, starts=starts)
+    ref, ref_dec = W.encode_blocks(idx, val, counts)
+    assert buf.tobytes() == ref.tobytes() and dec.tobytes() == ref_dec.tobytes()
+    _, got, _ = W.decode_blocks(buf, len(counts), dtype, starts)
+    np.testing.assert_array_equal(got, absolute)
+    if len(counts) and counts[0]:
+        below = absolute.copy()
+        below[0] = starts[0] - 1
+        with pytest.raises(ValueError, match="start"):
+            W.encode_blocks(below, val, counts, starts=starts)
+
+
+def test_add_remainders_keeps_what_the_wire_rounded():
+    rng = np.random.default_rng(3)
+    v = (rng.standard_normal(1000) * 1e-3).astype(np.float32)
+    v[:3] = [np.nan, np.inf, 0.0]
+    idx = np.sort(rng.choice(10_000, 1000, replace=False))
+    _, dec = W.encode_blocks(idx, v, [500, 500], quantise=True)
+    target = np.zeros(10_000, np.float32)
+    target[idx] = 5.0
+    W.add_remainders(target, idx, v, dec)
+    want = np.full(1000, 5.0, np.float32)
+    with np.errstate(invalid="ignore"):
+        rem = v - dec
+    ok = np.isfinite(rem) & (rem != 0)
+    want[ok] += rem[ok]
+    np.testing.assert_array_equal(target[idx], want)
+    assert np.all(target[np.setdiff1d(np.arange(10_000), idx)] == 0)
+    with pytest.raises(ValueError, match="indices"):
+        W.add_remainders(target, np.array([10_000]), v[:1], dec[:1])
+    with pytest.raises(TypeError, match="sent"):
+        W.add_remainders(target, idx, v.astype(np.float64), dec)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from spardl_kernels import coalesce, scatter_add
+from spardl_kernels.cpu.wire import add_remainders
 
 from .. import _arrays as A
 from ..comm import pack_wire, unpack_wire, wire_index_dtype
@@ -69,17 +70,16 @@ def keep_remainder(target, indices, sent, delivered, mode="global", members=None
     """
     if delivered is sent or mode == "none" or len(indices) == 0:
         return target
-    dev = A.is_device(target)
-    rem = A.to_host(sent) - A.to_host(delivered)
-    idx = A.to_host(indices)
+    idx, sent, delivered = A.to_host(indices), A.to_host(sent), A.to_host(delivered)
     if members is not None:
         hit = sent_reached(idx, A.to_host(members))
-        idx, rem = idx[hit], rem[hit]
+        idx, sent, delivered = idx[hit], sent[hit], delivered[hit]
+    if not A.is_device(target):
+        return add_remainders(target, idx, sent, delivered)  # one pass, zeros skipped
+    rem = sent - delivered
     nz = (rem != 0) & np.isfinite(rem)  # a non-finite value travels raw: nothing to keep
-    if not np.all(nz):
-        idx, rem = idx[nz], rem[nz]
-    if len(idx):
-        scatter_add(target, A.like(idx, dev), A.like(rem, dev))
+    if np.any(nz):
+        scatter_add(target, A.to_device(idx[nz]), A.to_device(rem[nz]))
     return target
 
 
@@ -205,7 +205,7 @@ def allgather_sum(
         everyone = comm.allgather_array(buf)
         rows = [everyone[q] for q in range(comm.size)]
     else:
-        rows = comm.allgatherv_bytes(buf)
+        rows = comm.allgatherv_bytes(buf, pad=wire != "coo")
     parts = [unpack_wire(row, 1, [0], idt, vdt, wire, dev)[0] for row in rows]
     cat_i = A.concat([p[0] for p in parts], np.int64, dev)
     cat_v = A.concat([p[1] for p in parts], vdt, dev)

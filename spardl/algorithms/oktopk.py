@@ -286,7 +286,7 @@ class OkTopk(Allreducer):
 
     def _allgather(self, bal_idx, bal_val, counts, sent=None):
         """Every rank gets every kept entry: one all-gather of equal-size padded chunks
-        ("compact": an all-gatherv of the chunks as they are, whose encoded sizes differ;
+        ("compact": the chunks as they are, whose encoded sizes differ, after their sizes;
         ``sent`` gets (indices, values, decoded values) of this rank's chunk)."""
         P = self.P
         if P == 1:
@@ -298,7 +298,7 @@ class OkTopk(Allreducer):
             buf, delivered = pack_wire([(bal_idx, bal_val)], [0], idt, vdt, self.wire)
             if sent is not None:
                 sent.append((bal_idx, bal_val, delivered[0]))
-            rows = self.comm.allgatherv_bytes(buf)
+            rows = self.comm.allgatherv_bytes(buf, pad=True)
             chunks = [unpack_wire(row, 1, [0], idt, vdt, self.wire, dev)[0] for row in rows]
             return (
                 A.concat([c[0] for c in chunks], np.int64, dev),

@@ -36,7 +36,7 @@ class TopkA(Allreducer):
 
     Cost: 1 message; received k(P−1)·(isz + vsz) bytes, isz = 4 (int32 indices below 2^31),
     vsz = the work dtype's size (float32 for float16 gradients). With ``wire="compact"`` the
-    buffers differ in size, so an all-gatherv (2 messages) carries them.
+    buffers differ in size: their sizes are all-gathered first (2 messages).
 
     Residual: everything sent reaches the output, so ``residual="global"`` and ``"local"`` both
     give E_new = X with the selected coordinates zeroed, and the conservation invariant holds.

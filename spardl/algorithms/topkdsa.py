@@ -169,7 +169,7 @@ class TopkDSA(Allreducer):
             dev_payload = dev
         flag = np.array([region[0]], dtype=np.int64).view(np.uint8)
         buf = A.concat([flag, payload], np.uint8, dev_payload)
-        rows = self.comm.allgatherv_bytes(buf) if P > 1 else [buf]
+        rows = self.comm.allgatherv_bytes(buf, pad=wire != "coo") if P > 1 else [buf]
         parts_i, parts_v = [], []
         for b, row in enumerate(rows):
             start, stop = int(bounds[b]), int(bounds[b + 1])

@@ -64,6 +64,7 @@ __all__ = [
     "encode_blocks",
     "decode_blocks",
     "encoded_capacity",
+    "add_remainders",
 ]
 
 LADDER_1, LADDER_2, LADDER_4, LADDER_8, BITMAP, PREFIX = 0, 1, 2, 3, 4, 5
@@ -170,55 +171,74 @@ def _value16_slow(h, M, B, s):
 
 
 @numba.njit(**JIT)
-def _fast_decode(M, B, s):
-    """Whether every normal code of (M, B) times 2^−s is a normal float64, so its bits can be
-    assembled directly."""
-    ebits_max = (1 << (15 - M)) - 1
-    return 1023 - B - s + 1 >= 1 and 1023 - B - s + ebits_max - 1 <= 2046
-
-
-@numba.njit(**JIT)
-def _values16(codes, out, M, B, s, bits, fbits):
-    """out[j] = the value of codes[j] (int64 16-bit codes) in (M, B) times 2^−s, cast to out's
-    dtype. ``bits`` is a 1-element int64 scratch array, ``fbits`` its float64 view."""
-    ebits_max = (1 << (15 - M)) - 1
-    fast = _fast_decode(M, B, s)
-    off = (1023 - B - s) << 52
-    for j in range(codes.shape[0]):
-        h = codes[j]
-        eb = (h >> M) & ebits_max
-        if fast and 0 < eb < ebits_max:
-            bits[0] = (((h & 0x7FFF) << (52 - M)) + off) | ((h >> 15) << 63)
-            out[j] = fbits[0]
-        elif h & 0x7FFF == 0:
-            out[j] = -0.0 if h >> 15 else 0.0
+def _encode16(vbits, vals, dbits, dec, buf, p, lo, hi, M, B, s, bits, fbits):
+    """Write the 16-bit codes of vals[lo:hi]·2^s in (M, B) at buf[p:] and their decoded values
+    into dec (through its integer view dbits). The common case works on the bits alone: a normal
+    input that stays normal is rounded by adding to its fraction bits (a carry moves into the
+    exponent) and rebiased by s; the decoded value is the same rounded bits in the input's own
+    format. Subnormal inputs or outputs take :func:`_round16` on the scaled float64."""
+    nbits = vbits.itemsize * 8
+    mant = 23 if nbits == 32 else 52
+    bias = 127 if nbits == 32 else 1023
+    sh = mant - M
+    half = (1 << (sh - 1)) - 1
+    rebias = (bias - B - s) << M
+    absmask = (1 << (nbits - 1)) - 1
+    signbit = 1 << (nbits - 1)
+    for j in range(lo, hi):
+        u = np.int64(vbits[j])
+        a = u & absmask
+        r = (a + half + ((a >> sh) & 1)) >> sh
+        h = r - rebias
+        if a == 0:
+            h = 0
+            dbits[j] = u  # ±0 as it is
+        elif (a >> mant) == 0 or h < (1 << M):
+            # a subnormal input, or a result below the format's normal range: the slow way
+            v = np.float64(vals[j])
+            fbits[0] = math.ldexp(abs(v), s)
+            h = _round16(bits[0], M, B)
+            q = _value16_slow(h, M, B, s)
+            dec[j] = -q if u < 0 else q
         else:
-            out[j] = _value16_slow(h, M, B, s)
+            dbits[j] = (r << sh) | (u & signbit)
+        h |= (u >> (nbits - 16)) & 0x8000
+        buf[p] = h & 0xFF
+        buf[p + 1] = (h >> 8) & 0xFF
+        p += 2
+    return p
 
 
 @numba.njit(**JIT)
-def _codes16(vals, codes, M, B, s, bits, fbits):
-    """codes[j] = the 16-bit code of vals[j]·2^s in (M, B), sign included."""
-    if -1022 <= s <= 1023:
-        mul = math.ldexp(1.0, s)
-        for j in range(vals.shape[0]):
-            v = np.float64(vals[j])
-            fbits[0] = v * mul
-            u = bits[0]
-            codes[j] = _round16(u & 0x7FFFFFFFFFFFFFFF, M, B) | ((u >> 48) & 0x8000)
-    else:
-        for j in range(vals.shape[0]):
-            v = np.float64(vals[j])
-            fbits[0] = math.ldexp(v, s)
-            u = bits[0]
-            codes[j] = _round16(u & 0x7FFFFFFFFFFFFFFF, M, B) | ((u >> 48) & 0x8000)
+def _decode16(buf, p, c, obits, out, pos, M, B, s):
+    """Decode c 16-bit codes of (M, B) at buf[p:] times 2^−s into out[pos:] (through its
+    integer view obits where the result is a normal number of out's dtype)."""
+    nbits = obits.itemsize * 8
+    mant = 23 if nbits == 32 else 52
+    bias = 127 if nbits == 32 else 1023
+    emax = (1 << (nbits - 1 - mant)) - 2
+    ebmax = (1 << (15 - M)) - 1
+    shift = bias - B - s
+    sh = mant - M
+    rebias = shift << M
+    for j in range(c):
+        h = np.int64(buf[p + 2 * j]) | (np.int64(buf[p + 2 * j + 1]) << 8)
+        mag = h & 0x7FFF
+        eb = mag >> M
+        sign = (h >> 15) << (nbits - 1)
+        if 0 < eb < ebmax and 1 <= eb + shift <= emax:  # a normal code to a normal value
+            obits[pos + j] = ((mag + rebias) << sh) | sign
+        elif mag == 0:
+            obits[pos + j] = sign
+        else:
+            out[pos + j] = _value16_slow(h, M, B, s)
 
 
 # -- encoding ----------------------------------------------------------------------------------
 @numba.njit(**JIT)
-def _plan(rel, vals, counts, quantise):
-    """Per block: index code, value code and scale exponent; and the message size in bytes.
-    Returns (error, icode, vcode, scale, size)."""
+def _plan(rel, vals, counts, starts, quantise):
+    """Per block: index code, value code and scale exponent; and the message size in bytes
+    (block b's indices are rel − starts[b]). Returns (error, icode, vcode, scale, size)."""
     nb = counts.shape[0]
     icode = np.zeros(nb, np.int64)
     vcode = np.zeros(nb, np.int64)
@@ -232,28 +252,42 @@ def _plan(rel, vals, counts, quantise):
         if c == 0:
             continue
         size += 1
-        prev = -1
-        c1 = 0
-        c2 = 0
-        c4 = 0
+        off = starts[b]
+        prev = off - 1
+        # One pass over the block: the gaps' costs at each ladder start (1 byte each below 255,
+        # 3 below 65535; wider ones priced exactly) and the values' range.
+        n3 = 0  # gaps in [255, 65535): 3 bytes from LADDER_1
+        nw = 0  # gaps ≥ 65535, priced exactly below
+        w1 = 0
+        w2 = 0
+        w4 = 0
+        amax = 0.0
+        amin = math.inf
+        finite = True
         for j in range(pos, pos + c):
-            g = rel[j] - prev - 1
+            r = rel[j]
+            g = r - prev - 1
+            prev = r
             if g < 0:
                 return _E_ORDER, icode, vcode, scale, 0
-            if g < 0xFF:
-                c1 += 1
-                c2 += 2
-                c4 += 4
-            elif g < 0xFFFF:
-                c1 += 3
-                c2 += 2
-                c4 += 4
-            else:
-                c1 += _ladder_cost(g, 1)
-                c2 += _ladder_cost(g, 2)
-                c4 += _ladder_cost(g, 4)
-            prev = rel[j]
-        if prev == c - 1:
+            if g >= 0xFF:
+                if g < 0xFFFF:
+                    n3 += 1
+                else:
+                    nw += 1
+                    w1 += _ladder_cost(g, 1)
+                    w2 += _ladder_cost(g, 2)
+                    w4 += _ladder_cost(g, 4)
+            a = abs(np.float64(vals[j]))
+            finite &= a < math.inf
+            amax = max(amax, a)
+            if 0.0 < a < amin:
+                amin = a
+        c1 = (c - n3 - nw) + 3 * n3 + w1
+        c2 = 2 * (c - nw) + w2
+        c4 = 4 * (c - nw) + w4
+        last = prev - off
+        if last == c - 1:
             code, cost = PREFIX, 0
         else:
             code, cost = LADDER_1, c1
@@ -263,20 +297,12 @@ def _plan(rel, vals, counts, quantise):
                 code, cost = LADDER_4, c4
             if 8 * c < cost:
                 code, cost = LADDER_8, 8 * c
-            if prev // 8 + 1 < cost:
-                code, cost = BITMAP, prev // 8 + 1
+            if last // 8 + 1 < cost:
+                code, cost = BITMAP, last // 8 + 1
         icode[b] = code
         size += cost
-        amax = 0.0
-        amin = math.inf
-        for j in range(pos, pos + c):
-            a = abs(np.float64(vals[j]))
-            amax = max(amax, a)  # NaN: max keeps amax, caught below
-            if 0.0 < a < amin:
-                amin = a
-            if not a < math.inf:
-                amax = math.inf
-                break
+        if not finite:
+            amax = math.inf
         if not (quantise and amax < math.inf):
             vcode[b] = RAW
             size += c * isz
@@ -299,14 +325,13 @@ def _plan(rel, vals, counts, quantise):
 
 
 @numba.njit(**JIT)
-def _write(rel, vals, vbytes, counts, icode, vcode, scale, buf, dec):
+def _write(rel, vals, vbytes, vbits, counts, starts, icode, vcode, scale, buf, dec, dbits):
     """Write the message planned by :func:`_plan` into buf (which has 8 bytes of slack at the
     end: the ladder loops store up to 3 bytes ahead) and the decoded values into dec; returns
     the number of bytes of the message."""
     isz = vals.itemsize
     bits = np.zeros(1, np.int64)
     fbits = bits.view(np.float64)
-    codes = np.empty(0, np.int64)
     p = 0
     pos = 0
     for b in range(counts.shape[0]):
@@ -321,13 +346,14 @@ def _write(rel, vals, vbytes, counts, icode, vcode, scale, buf, dec):
         s = scale[b]
         if vc != RAW:
             p = _put(buf, p, s & 0xFFFF, 2)
-        prev = -1
+        off = starts[b]
+        prev = off - 1
         if ic == BITMAP:
-            nbytes = rel[pos + c - 1] // 8 + 1
+            nbytes = (rel[pos + c - 1] - off) // 8 + 1
             for t in range(nbytes):
                 buf[p + t] = 0
             for j in range(pos, pos + c):
-                r = rel[j]
+                r = rel[j] - off
                 buf[p + (r >> 3)] |= 1 << (r & 7)
             p += nbytes
         elif ic == LADDER_1:
@@ -367,31 +393,19 @@ def _write(rel, vals, vbytes, counts, icode, vcode, scale, buf, dec):
         else:
             M = _M16 if vc == FP16 else _MBF
             B = _B16 if vc == FP16 else _BBF
-            if codes.shape[0] < c:
-                codes = np.empty(c, np.int64)
-            cb = codes[:c]
-            _codes16(vals[pos : pos + c], cb, M, B, s, bits, fbits)
-            for j in range(c):
-                h = cb[j]
-                buf[p] = h & 0xFF
-                buf[p + 1] = h >> 8
-                p += 2
-            _values16(cb, dec[pos : pos + c], M, B, s, bits, fbits)
+            p = _encode16(vbits, vals, dbits, dec, buf, p, pos, pos + c, M, B, s, bits, fbits)
         pos += c
     return p
 
 
 # -- decoding ----------------------------------------------------------------------------------
 @numba.njit(**JIT)
-def _decode(buf, nblocks, counts, rel, vals, vbytes):
-    """Parse a message into counts, block-relative indices and values (rel and vals hold room
-    for every pair the buffer can hold). Returns (error, pairs)."""
+def _decode(buf, nblocks, starts, counts, rel, vals, vbytes, vints):
+    """Parse a message into counts, indices (block-relative plus starts[b]) and values (rel and
+    vals hold room for every pair the buffer can hold). Returns (error, pairs)."""
     isz = vals.itemsize
     cap = rel.shape[0]
     n = buf.shape[0]
-    bits = np.zeros(1, np.int64)
-    fbits = bits.view(np.float64)
-    codes = np.empty(0, np.int64)
     p = 0
     pos = 0
     for b in range(nblocks):
@@ -417,9 +431,10 @@ def _decode(buf, nblocks, counts, rel, vals, vbytes):
             if s >= 0x8000:
                 s -= 0x10000
             p += 2
+        off = starts[b]
         if ic == PREFIX:
             for j in range(c):
-                rel[pos + j] = j
+                rel[pos + j] = j + off
         elif ic == BITMAP:
             j = 0
             t = 0
@@ -431,13 +446,13 @@ def _decode(buf, nblocks, counts, rel, vals, vbytes):
                     if (byte >> bit) & 1:
                         if j == c:
                             return _E_CODE, pos  # more bits set than the count
-                        rel[pos + j] = 8 * t + bit
+                        rel[pos + j] = 8 * t + bit + off
                         j += 1
                 t += 1
             p += t
         else:
             w = 1 << ic
-            prev = -1
+            prev = off - 1
             for j in range(c):
                 if w == 1 and p < n and buf[p] < 0xFF:
                     g = np.int64(buf[p])
@@ -449,7 +464,7 @@ def _decode(buf, nblocks, counts, rel, vals, vbytes):
                     g, p = _get_ladder(buf, p, w)
                     if p < 0:
                         return _E_TRUNC, pos
-                    if g > (1 << 62) - prev:
+                    if g > (1 << 62) - max(prev, 0):
                         return _E_RANGE, pos
                 prev = prev + 1 + g
                 rel[pos + j] = prev
@@ -462,14 +477,10 @@ def _decode(buf, nblocks, counts, rel, vals, vbytes):
         else:
             if 2 * c > n - p:
                 return _E_TRUNC, pos
-            if codes.shape[0] < c:
-                codes = np.empty(c, np.int64)
-            for j in range(c):
-                codes[j] = np.int64(buf[p + 2 * j]) | (np.int64(buf[p + 2 * j + 1]) << 8)
-            p += 2 * c
             M = _M16 if vc == FP16 else _MBF
             B = _B16 if vc == FP16 else _BBF
-            _values16(codes[:c], vals[pos : pos + c], M, B, s, bits, fbits)
+            _decode16(buf, p, c, vints, vals, pos, M, B, s)
+            p += 2 * c
         pos += c
     if p != n:
         return _E_TRAIL, pos
@@ -490,18 +501,21 @@ def _value_dtype(name, dtype) -> np.dtype:
     return dt
 
 
-def encode_blocks(indices, values, counts, *, quantise=True):
+def encode_blocks(indices, values, counts, *, starts=None, quantise=True):
     """Encode sparse blocks in the compact wire format (module docstring).
 
     Parameters
     ----------
     indices : int32 or int64 array of shape (m,)
-        Block-relative indices of every block, concatenated in block order; within a block
-        strictly ascending and ≥ 0.
+        The indices of every block, concatenated in block order; within a block strictly
+        ascending and ≥ the block's start.
     values : float32 or float64 array of shape (m,)
         Their values.
     counts : integer array of shape (nblocks,)
         Pairs per block (≥ 0, summing to m).
+    starts : integer array of shape (nblocks,), optional
+        The first position of each block, subtracted from its indices (they travel
+        block-relative); zeros by default.
     quantise : bool, default True
         Allow the 16-bit value codes; False sends every value bit for bit (``RAW``) and keeps
         only the index coding.
@@ -520,8 +534,8 @@ def encode_blocks(indices, values, counts, *, quantise=True):
         If a dtype is not one of those above.
     ValueError
         If an array is not 1-D, the counts are negative or do not add up to m, the lengths of
-        ``indices`` and ``values`` differ, or a block's indices are negative or not strictly
-        ascending.
+        ``indices`` and ``values`` (or of ``counts`` and ``starts``) differ, or a block's
+        indices are below its start or not strictly ascending.
 
     Notes
     -----
@@ -549,14 +563,31 @@ def encode_blocks(indices, values, counts, *, quantise=True):
             f"counts: must be >= 0 and add up to len(indices) = {idx.shape[0]}, "
             f"got a sum of {int(cnt.sum())}"
         )
+    st = _starts(starts, cnt.shape[0])
     idx = np.ascontiguousarray(idx, dtype=np.int64)
     val = np.ascontiguousarray(val, dtype=vdt)
-    err, icode, vcode, scale, size = _plan(idx, val, cnt, bool(quantise))
+    err, icode, vcode, scale, size = _plan(idx, val, cnt, st, bool(quantise))
     if err:
-        raise ValueError("indices: must be >= 0 and strictly ascending within each block")
+        raise ValueError(
+            "indices: must be >= the block's start and strictly ascending within each block"
+        )
     buf = np.empty(size + 8, np.uint8)  # 8 bytes of slack for the ladder loops
     dec = np.empty_like(val)
-    written = _write(idx, val, val.view(np.uint8), cnt, icode, vcode, scale, buf, dec)
+    ints = np.int32 if vdt == np.float32 else np.int64
+    written = _write(
+        idx,
+        val,
+        val.view(np.uint8),
+        val.view(ints),
+        cnt,
+        st,
+        icode,
+        vcode,
+        scale,
+        buf,
+        dec,
+        dec.view(ints),
+    )
     assert written == size, (written, size)
     return buf[:size], dec
 
@@ -569,7 +600,18 @@ _ERRORS = {
 }
 
 
-def decode_blocks(buf, nblocks, value_dtype):
+def _starts(starts, nblocks) -> np.ndarray:
+    if starts is None:
+        return np.zeros(nblocks, np.int64)
+    st = np.asarray(starts)
+    if st.ndim != 1 or st.shape[0] != nblocks:
+        raise ValueError(f"starts: must have one entry per block ({nblocks}), got {st.shape}")
+    if st.shape[0] and st.dtype.kind not in "iu":
+        raise TypeError(f"starts: must be integers, got {st.dtype}")
+    return np.ascontiguousarray(st, dtype=np.int64)
+
+
+def decode_blocks(buf, nblocks, value_dtype, starts=None):
     """Decode a message of :func:`encode_blocks`.
 
     Parameters
@@ -580,12 +622,14 @@ def decode_blocks(buf, nblocks, value_dtype):
         Blocks it holds (≥ 0; both sides know it).
     value_dtype : float32 or float64
         The dtype the values were encoded from (both sides know it).
+    starts : integer array of shape (nblocks,), optional
+        The first position of each block, added to its indices; zeros by default.
 
     Returns
     -------
     counts : int64 array of shape (nblocks,)
     indices : int64 array of shape (m,)
-        Block-relative, concatenated in block order.
+        Block-relative plus their block's start, concatenated in block order.
     values : array of shape (m,), ``value_dtype``
 
     Raises
@@ -603,18 +647,74 @@ def decode_blocks(buf, nblocks, value_dtype):
     vdt = _value_dtype("value_dtype", value_dtype)
     if isinstance(nblocks, bool) or not isinstance(nblocks, (int, np.integer)) or nblocks < 0:
         raise ValueError(f"nblocks: must be an integer >= 0, got {nblocks!r}")
+    st = _starts(starts, int(nblocks))
     b = np.ascontiguousarray(b)
     cap = b.shape[0] // 2  # every pair takes at least 2 bytes (its value)
     counts = np.zeros(int(nblocks), np.int64)
     rel = np.empty(cap, np.int64)
     vals = np.empty(cap, vdt)
-    err, m = _decode(b, int(nblocks), counts, rel, vals, vals.view(np.uint8))
+    ints = np.int32 if vdt == np.float32 else np.int64
+    err, m = _decode(b, int(nblocks), st, counts, rel, vals, vals.view(np.uint8), vals.view(ints))
     if err:
         raise ValueError(
             f"received message of {b.shape[0]} bytes is corrupt: {_ERRORS[err]} "
             f"({nblocks} blocks expected)"
         )
     return counts, rel[:m], vals[:m]
+
+
+@numba.njit(**JIT)
+def _add_remainders(target, idx, sent, delivered):
+    for j in range(idx.shape[0]):
+        r = sent[j] - delivered[j]
+        if r != 0 and abs(r) < math.inf:
+            target[idx[j]] += r
+
+
+def add_remainders(target, indices, sent, delivered):
+    """``target[i] += sent − delivered`` at each index, in place: what the wire did not deliver.
+
+    Parameters
+    ----------
+    target : float32 or float64 array of shape (n,), writeable
+        A sender's residual (or partial sums).
+    indices : int64 array of shape (m,), unique, each in [0, n)
+    sent, delivered : arrays of shape (m,), ``target``'s dtype
+        The values as encoded and as :func:`encode_blocks` said they will be decoded.
+
+    Returns
+    -------
+    ndarray
+        ``target``.
+
+    Notes
+    -----
+    The difference is computed in the dtype, where it is exact for the 16-bit codes of this
+    module (a value rounded within its binade, or to 0). Zero and non-finite differences (a
+    non-finite value travels ``RAW``, bit for bit) are skipped. One pass, no temporary.
+
+    Raises
+    ------
+    ValueError, TypeError
+        If the shapes or dtypes do not match, or an index is out of range.
+    """
+    t = np.asarray(target)
+    idx = np.asarray(indices)
+    a = np.asarray(sent)
+    d = np.asarray(delivered)
+    _value_dtype("target", t.dtype)
+    if not (a.dtype == d.dtype == t.dtype):
+        raise TypeError(f"sent and delivered: must be {t.dtype}, got {a.dtype} and {d.dtype}")
+    if idx.dtype != np.int64:
+        raise TypeError(f"indices: must be int64, got {idx.dtype}")
+    if not (idx.ndim == a.ndim == d.ndim == t.ndim == 1 and idx.shape == a.shape == d.shape):
+        raise ValueError("indices, sent and delivered: must be 1-D of one length")
+    if not t.flags.writeable:
+        raise ValueError("target: must be writeable")
+    if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= t.shape[0]):
+        raise ValueError(f"indices: must be in [0, {t.shape[0]})")
+    _add_remainders(t, idx, a, d)
+    return target
 
 
 def encoded_capacity(nblocks, max_pairs, index_bytes, value_dtype) -> int:
