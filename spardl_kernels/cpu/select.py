@@ -1,7 +1,8 @@
 """Selection kernels on the CPU: top-k by magnitude, thresholds and their estimates.
 
 Everything here works on *keys*: the bit pattern of |x| as a signed integer of x's width with
-the sign bit cleared, every NaN clamped to one key just above +inf (see ``_common.KEY_INFO``).
+the sign bit cleared, every NaN clamped to one key just above +inf
+(``spardl_kernels._contract.KEY_INFO``).
 Positive IEEE floats order like their bit patterns, so ordering keys is ordering |x| under the
 contract's total order (docs/design.md §3): NaN above +inf, -0.0 == 0.0, ties to the lower index.
 Working on bits also makes float16 first class although Numba's CPU target has no float16
@@ -14,6 +15,13 @@ import numpy as np
 from numba import njit, prange
 
 from .. import _validate, config
+from .._contract import (
+    SPLITMIX64_GOLDEN,
+    SPLITMIX64_MIX1,
+    SPLITMIX64_MIX2,
+    key_to_value,
+    threshold_key,
+)
 from ._common import (
     JIT,
     JIT_PARALLEL,
@@ -493,9 +501,9 @@ def _count_ge_parallel(bits, K, mask, bounds):
 
 
 _U1 = np.uint64(1)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = SPLITMIX64_GOLDEN
+_MIX1 = SPLITMIX64_MIX1
+_MIX2 = SPLITMIX64_MIX2
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
@@ -551,13 +559,6 @@ def _kth_key(bits, k, mask, nan_key, dtype):
     return int(_radix_kth(bits, k, mask, nan_key, digits, lanes))
 
 
-def _key_to_value(key, dtype, view_dtype, nan_key):
-    """The non-negative value of x's dtype whose key is `key` (NaN for nan_key)."""
-    if key == nan_key:
-        return dtype.type(np.nan)
-    return np.array(key, dtype=view_dtype).view(dtype)[()]
-
-
 def _topk_into(bits, k, mask, nan_key, dtype, out_idx, out_bits):
     """Top k (0 < k < n) by the small-n, sampled-window or radix path."""
     n = bits.shape[0]
@@ -582,29 +583,6 @@ def _topk_into(bits, k, mask, nan_key, dtype, out_idx, out_bits):
     ):
         return
     _radix_topk(bits, k, mask, nan_key, digits, lanes, out_idx, out_bits)
-
-
-def _threshold_key(t, dtype, inf_key, nan_key):
-    """Smallest key K with value(K) >= t as float64, so that |x_i| >= t  <=>  key(x_i) >= K.
-
-    NaN thresholds select only NaN entries (the total order puts NaN above every number).
-    """
-    if math.isnan(t):
-        return nan_key
-    if t <= 0.0:
-        return 0
-    with np.errstate(over="ignore"):
-        c = np.array(t, dtype=np.float64).astype(dtype)  # t rounded to nearest in x's dtype
-    view_dtype = _KEYS_VIEW[dtype.name]
-    K = int(c.view(view_dtype))
-    if float(c) < t:
-        # c rounded down; the next representable value up is the smallest one >= t
-        # (c = largest finite -> K becomes inf_key).
-        K += 1
-    return min(K, inf_key)
-
-
-_KEYS_VIEW = {"float16": np.int16, "float32": np.int32, "float64": np.int64}
 
 
 def _select_ge(bits, K, mask, index_dtype):
@@ -730,7 +708,7 @@ def kth_largest_abs(x, k):
     k = _validate.check_k_positive(k, n)
     bits, mask, _, nan_key = key_view(x)
     T = _kth_key(bits, k, mask, nan_key, x.dtype)
-    return _key_to_value(T, x.dtype, bits.dtype, nan_key)
+    return key_to_value(T, x.dtype)
 
 
 def select_above(x, threshold, *, index_dtype=np.int64):
@@ -773,8 +751,8 @@ def select_above(x, threshold, *, index_dtype=np.int64):
     n = x.shape[0]
     t = _validate.check_threshold(threshold)
     idt = _validate.check_index_dtype(index_dtype, n)
-    bits, mask, inf_key, nan_key = key_view(x)
-    K = _threshold_key(t, x.dtype, inf_key, nan_key)
+    bits, mask, _, _ = key_view(x)
+    K = threshold_key(t, x.dtype)
     idx, vbits = _select_ge(bits, K, mask, idt)
     return idx, vbits.view(x.dtype)
 
@@ -806,8 +784,8 @@ def count_above(x, threshold):
     """
     x = as_values("x", x)
     t = _validate.check_threshold(threshold)
-    bits, mask, inf_key, nan_key = key_view(x)
-    K = _threshold_key(t, x.dtype, inf_key, nan_key)
+    bits, mask, _, _ = key_view(x)
+    K = threshold_key(t, x.dtype)
     threads = cpu_threads(bits.shape[0], config.SELECT_PARALLEL_MIN_N)
     if threads == 1:
         return int(_count_ge(bits, K, mask))
@@ -880,4 +858,4 @@ def estimate_threshold(x, k, *, sample_size=None, seed=0):
         sample = _sample_bits(bits, s, np.uint64(seed))
         k_s = min(s, max(1, -((-k * s) // n)))  # ceil(k * s / n)
         T = _kth_key(sample, k_s, mask, nan_key, x.dtype)
-    return float(_key_to_value(T, x.dtype, bits.dtype, nan_key))
+    return float(key_to_value(T, x.dtype))
