@@ -193,3 +193,32 @@ def check_blocks(ks, bounds, n):
         "every ks[b] must be in [0, bounds[b+1] - bounds[b]]",
     )
     return ks, bounds
+
+
+def check_accumulate(g_dtype, e_dtype, e_length, n, ks, bounds):
+    """The arguments of ``accumulate_topk`` but ``out``: e in g's work dtype (float32 for a
+    float16 g, else g's own) and of g's length n, then :func:`check_blocks`. Returns
+    (work dtype, ks, bounds)."""
+    g_dtype, e_dtype = np.dtype(g_dtype), np.dtype(e_dtype)
+    work = np.dtype(np.float32) if g_dtype == np.float16 else g_dtype
+    require(
+        e_dtype == work,
+        "e",
+        f"dtype must be {work} for a {g_dtype} gradient, got {e_dtype}",
+        TypeError,
+    )
+    check_same_length("e", e_length, "g", n)
+    ks, bounds = check_blocks(ks, bounds, n)
+    return work, ks, bounds
+
+
+def check_accumulate_out(shape, dtype, n, work, writeable, overlaps):
+    """``out`` of ``accumulate_topk``: shape (n,), the work dtype, writeable, and (``overlaps``,
+    computed by the backend) no memory shared with g or e."""
+    require(
+        tuple(shape) == (n,) and np.dtype(dtype) == work,
+        "out",
+        f"expected shape ({n},) and dtype {work}, got {tuple(shape)} {np.dtype(dtype)}",
+    )
+    require(writeable, "out", "array is read-only")
+    require(not overlaps, "out", "must not share memory with g or e")

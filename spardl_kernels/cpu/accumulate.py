@@ -98,30 +98,13 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
     g = as_values("g", g)
     e = as_values("e", e)
     n = g.shape[0]
-    work = np.dtype(np.float32) if g.dtype == np.float16 else g.dtype
-    _validate.require(
-        e.dtype == work,
-        "e",
-        f"dtype must be {work} for a {g.dtype} gradient, got {e.dtype}",
-        TypeError,
-    )
-    _validate.check_same_length("e", e.shape[0], "g", n)
-    ks, bounds = _validate.check_blocks(ks, bounds, n)
+    work, ks, bounds = _validate.check_accumulate(g.dtype, e.dtype, e.shape[0], n, ks, bounds)
     if out is None:
         x = np.empty(n, work)
     else:
         x = as_values("out", out)
-        _validate.require(
-            x.shape == (n,) and x.dtype == work,
-            "out",
-            f"expected shape ({n},) and dtype {work}, got {x.shape} {x.dtype}",
-        )
-        _validate.require(x.flags.writeable, "out", "array is read-only")
-        _validate.require(
-            not (np.shares_memory(x, g) or np.shares_memory(x, e)),
-            "out",
-            "must not share memory with g or e",
-        )
+        overlaps = np.shares_memory(x, g) or np.shares_memory(x, e)
+        _validate.check_accumulate_out(x.shape, x.dtype, n, work, x.flags.writeable, overlaps)
     total = int(ks.sum())
     indices = np.empty(total, np.int64)
     values = np.empty(total, work)

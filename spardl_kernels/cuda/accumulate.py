@@ -83,27 +83,13 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
     e = C.as_values("e", e)
     n = g.shape[0]
     gdt = np.dtype(g.dtype)
-    work = np.dtype(np.float32) if gdt == np.float16 else gdt
-    _validate.require(
-        np.dtype(e.dtype) == work,
-        "e",
-        f"dtype must be {work} for a {gdt} gradient, got {np.dtype(e.dtype)}",
-        TypeError,
-    )
-    _validate.check_same_length("e", e.shape[0], "g", n)
-    ks, bounds = _validate.check_blocks(ks, bounds, n)
+    work, ks, bounds = _validate.check_accumulate(gdt, e.dtype, e.shape[0], n, ks, bounds)
     if out is None:
         x = C.empty(n, work)
     else:
         x = C.as_values("out", out)
-        _validate.require(
-            x.shape == (n,) and np.dtype(x.dtype) == work,
-            "out",
-            f"expected shape ({n},) and dtype {work}, got {x.shape} {np.dtype(x.dtype)}",
-        )
-        _validate.require(
-            not (_overlaps(x, g) or _overlaps(x, e)), "out", "must not share memory with g or e"
-        )
+        overlaps = _overlaps(x, g) or _overlaps(x, e)
+        _validate.check_accumulate_out(x.shape, x.dtype, n, work, True, overlaps)
     if n:
         gw = g if gdt == work else C.cast(g, work)  # float16 -> float32 is exact
         C.launch(_sum_into, n)(gw, e, x)
