@@ -56,8 +56,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .algorithms.base import Allreducer, _work_dtype, collective_check
+from ._checks import check_int
+from .algorithms.base import Allreducer, collective_check
 from .comm import Comm, name_hash
+from .dtypes import work_dtype
 
 __all__ = [
     "FORMAT",
@@ -98,6 +100,8 @@ def folded_ranks(world_size: int, new_world_size: int, rank: int) -> list[int]:
 
     Raises
     ------
+    TypeError
+        If an argument is not an integer (a bool is not one).
     ValueError
         If a size is < 1 or ``rank`` is outside [0, P').
 
@@ -107,11 +111,9 @@ def folded_ranks(world_size: int, new_world_size: int, rank: int) -> list[int]:
     shrinking sums the fewest residuals per new rank.
     """
     for name, v in (("world_size", world_size), ("new_world_size", new_world_size)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        if check_int(name, v) < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
-        raise ValueError(f"rank must be an integer, got {rank!r}")
-    if not 0 <= rank < new_world_size:
+    if not 0 <= check_int("rank", rank) < new_world_size:
         raise ValueError(f"rank must be in [0, {new_world_size}), got {rank}")
     return list(range(int(rank), int(world_size), int(new_world_size)))
 
@@ -137,14 +139,27 @@ def _algorithm(obj) -> str:
     return obj.name if isinstance(obj, Allreducer) else obj._core.algorithm
 
 
+def _is_tensor(obj) -> bool:
+    """A torch tensor, told by its methods (this module does not import torch)."""
+    return hasattr(obj, "detach") and hasattr(obj, "cpu") and hasattr(obj, "numpy")
+
+
+def _numpy_state(obj):
+    """A state with its torch tensors as NumPy arrays (host copies), recursively through dicts,
+    lists and tuples; everything else as it is (``spardl.torch.from_torch_state``'s result)."""
+    if _is_tensor(obj):
+        return obj.detach().cpu().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: _numpy_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_numpy_state(v) for v in obj)
+    return obj
+
+
 def _local_state(obj) -> dict:
     """This rank's state with NumPy arrays only (torch tensors converted)."""
     state = obj.state_dict()
-    if isinstance(obj, Allreducer):
-        return state
-    from .torch import from_torch_state
-
-    return from_torch_state(state)
+    return state if isinstance(obj, Allreducer) else _numpy_state(state)
 
 
 def _header(obj, world_size: int) -> dict:
@@ -175,7 +190,11 @@ def _check_header(obj, header) -> int:
                 f"the checkpoint was saved with {key}={header.get(key)!r}, this one has {mine!r}"
             )
     P = header.get("world_size")
-    if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+    try:  # the file's content, not an argument: a malformed file is a ValueError
+        ok = check_int("world_size", P, numpy=False) >= 1
+    except TypeError:
+        ok = False
+    if not ok:
         raise ValueError(f"the checkpoint's world_size must be an integer >= 1, got {P!r}")
     return P
 
@@ -235,7 +254,7 @@ def _fold_allreducer(states, template, world_size, new_world_size, rank) -> dict
     if template["residual"] is None or template["dtype"] is None:
         out["residual"] = None
         return out
-    work = _work_dtype(np.dtype(template["dtype"]))
+    work = work_dtype(np.dtype(template["dtype"]))
     n = int(template["n"])
     residuals = []
     for r, st in states:
@@ -326,7 +345,7 @@ def _load_folded(ar: Allreducer, state: dict) -> None:
         if res is None:
             ar._residual = None
         else:
-            work = _work_dtype(ar._dtype) if ar._dtype is not None else np.dtype(np.float32)
+            work = work_dtype(ar._dtype) if ar._dtype is not None else np.dtype(np.float32)
             ar._residual = np.array(res, dtype=work, copy=True)
     except Exception as e:  # noqa: BLE001 - restored, then reported as a malformed state
         _restore(ar, saved)
@@ -346,7 +365,7 @@ def _prepare(obj, states, world_size):
     """This rank's part of a load: ("same", its own state) or ("folded", the folded state)."""
     comm = _control(obj)
     P = world_size
-    if isinstance(P, bool) or not isinstance(P, (int, np.integer)) or P < 1:
+    if check_int("world_size", P) < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {P!r}")
     if not isinstance(states, dict):
         raise TypeError(f"states must be a dict of old rank -> state, got {type(states).__name__}")
@@ -357,10 +376,8 @@ def _prepare(obj, states, world_size):
     if P == comm.size:
         return "same", states[comm.rank]
     if _kind(obj) == "torch":  # torch.load's tensors as NumPy arrays, for the sums below
-        from .torch import from_torch_state
-
         used = need or sorted(states)[:1]
-        states = {r: from_torch_state(states[r]) for r in used}
+        states = {r: _numpy_state(states[r]) for r in used}
     if need:
         template = states[need[0]]
     elif states:
@@ -393,11 +410,13 @@ def load_rank_states(obj, states: dict, world_size: int) -> None:
     Raises
     ------
     TypeError
-        On every rank, if some rank's ``states`` (or a state in it) is not a dict.
+        On every rank, if some rank's ``states`` (or a state in it) is not a dict or its
+        ``world_size`` is not an integer.
     ValueError
-        On every rank, if some rank misses a state it needs, a state comes from another
-        algorithm or n (an allreducer; the torch classes map residuals by parameter), the old
-        states disagree (not one checkpoint), or the ranks disagree on ``world_size``.
+        On every rank, if ``world_size`` is < 1 on some rank, some rank misses a state it
+        needs, a state comes from another algorithm or n (an allreducer; the torch classes map
+        residuals by parameter), the old states disagree (not one checkpoint), or the ranks
+        disagree on ``world_size``.
 
     Notes
     -----
@@ -568,7 +587,7 @@ def _encode(obj, arrays: list, prefix: str):
         return [_encode(v, arrays, prefix) for v in obj]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    if hasattr(obj, "detach") and hasattr(obj, "numpy"):  # a torch tensor
+    if _is_tensor(obj):
         return _encode(obj.detach().cpu().numpy(), arrays, prefix)
     raise TypeError(f"cannot store a {type(obj).__name__} in an elastic checkpoint")
 

@@ -25,6 +25,7 @@ import spardl_kernels as K
 from .. import _arrays as A
 from .._checks import check_float, check_int
 from ..comm import WIRES, Comm, name_hash
+from ..dtypes import work_dtype as _work_dtype
 from ..result import SparseResult
 
 __all__ = ["Allreducer", "Reduced", "NonFiniteError", "budget"]
@@ -71,11 +72,6 @@ class Reduced:
     indices: np.ndarray
     values: np.ndarray
     residual: np.ndarray
-
-
-def _work_dtype(dtype: np.dtype) -> np.dtype:
-    # float16 sums overflow at 65504: accumulate in float32, round once at the end.
-    return np.dtype(np.float32) if dtype == np.float16 else dtype
 
 
 def _dtype_code(dtype) -> int:
