@@ -16,7 +16,9 @@ Importing this module imports torch; ``import spardl`` alone does not.
 # No `from __future__ import annotations`: DDP checks the hook's return annotation as an object.
 import functools
 import os
+import queue
 import socket
+import threading
 
 import numpy as np
 import torch
@@ -230,9 +232,28 @@ def warmup_density_at(step: int, warmup: int, start: float, target: float) -> fl
     return float(start * (target / start) ** (step / warmup))
 
 
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU NumPy view of a 1-D tensor (a copy only for GPU tensors)."""
-    return t.detach().cpu().numpy() if t.is_cuda else t.detach().numpy()
+def _vector(t: torch.Tensor):
+    """The array an allreducer is handed for a 1-D tensor, zero-copy and on the tensor's side: a
+    NumPy view of a CPU tensor, a Numba device array on a CUDA tensor's memory (through its
+    ``__cuda_array_interface__``; the allreducer then keeps its buffers on the device)."""
+    t = t.detach()
+    return A.view(t) if t.is_cuda else t.numpy()
+
+
+def _tensor(a, like: torch.Tensor) -> torch.Tensor:
+    """A torch view of an allreducer's array (a residual) on ``like``'s device: zero-copy when
+    it is already there (a host array for a CPU tensor, a device array for a CUDA one), else a
+    copy (a host residual before the first GPU call)."""
+    if A.is_device(a):
+        return torch.as_tensor(a, device=like.device)
+    t = torch.from_numpy(np.asarray(a))
+    return t if like.device.type == "cpu" else t.to(like.device)
+
+
+def _sync(t: torch.Tensor) -> None:
+    """Wait for the device's queued work when ``t`` is a CUDA tensor (no-op on the CPU)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 #: The allreducers' default density (spardl.Allreducer's ``density``).
@@ -281,11 +302,15 @@ def _validate_options(
     if not hook:
         return
     # The values: make's own checks and messages (unknown algorithm included), on every rank.
-    probe = make(algorithm, ctl, max(1, ctl.size), op="mean", **options)
-    for ar in (probe, *getattr(probe, "_inners", {}).values()):  # auto's candidates too
+    _free_subcomms(make(algorithm, ctl, max(1, ctl.size), op="mean", **options), ctl)
+
+
+def _free_subcomms(allreducer, comm: Comm) -> None:
+    """Free the communicators an allreducer split off ``comm`` (SparDL's teams, teams > 1)."""
+    for ar in (allreducer, *getattr(allreducer, "_inners", {}).values()):  # auto's candidates
         for sub in (getattr(ar, "_team", None), getattr(ar, "_cross", None)):
-            if sub is not None and sub is not ctl:
-                sub.free()  # SparDL's team communicators (teams > 1)
+            if sub is not None and sub is not comm:
+                sub.free()
 
 
 def _plain(v):
@@ -339,6 +364,33 @@ def _flat_dtype(dtypes) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.float32, torch.float64) else torch.float32
 
 
+def _future(buf: torch.Tensor) -> torch.futures.Future:
+    """The future a DDP hook returns for ``buf``, allowed to hold it on its device."""
+    return torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
+
+
+def _check_overlap(momentum_correction, clip_norm) -> None:
+    """What overlap mode needs: MPI callable from a second thread, techniques that work bucket by
+    bucket."""
+    from mpi4py import MPI
+
+    for name, value in (("clip_norm", clip_norm), ("momentum_correction", momentum_correction)):
+        if value is not None:
+            raise ValueError(
+                f"{name} needs the whole gradient; overlap=True reduces bucket by bucket "
+                f"(use overlap=False with {name})"
+            )
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_SERIALIZED:
+        names = {MPI.THREAD_SINGLE: "THREAD_SINGLE", MPI.THREAD_FUNNELED: "THREAD_FUNNELED"}
+        raise RuntimeError(
+            f"overlap=True calls MPI from a communication thread, which needs MPI initialised "
+            f"with at least MPI.THREAD_SERIALIZED; it was initialised with "
+            f"MPI.{names.get(level, level)} (set mpi4py.rc.thread_level = 'multiple' or "
+            "'serialized' before importing mpi4py.MPI, or use overlap=False)"
+        )
+
+
 def _raise_everywhere(ctl: Comm, err) -> None:
     """After a control allreduce said some rank failed: raise on every rank, naming the first."""
     reports = ctl.allgather_object(None if err is None else (type(err).__name__, str(err)))
@@ -356,9 +408,9 @@ class _Core:
     (option checks, which parameters some rank used), kept out of the counters.
     """
 
-    def __init__(self, comm, algorithm, warmup_steps: int, options: dict, tech=None):
-        self.comm = Comm(comm)
-        self.ctl = Comm(comm)
+    def __init__(self, comm, algorithm, warmup_steps: int, options: dict, tech=None, comms=None):
+        # ``comms``: (comm, ctl) Comm objects shared with other cores (overlap mode's buckets).
+        self.comm, self.ctl = comms if comms is not None else (Comm(comm), Comm(comm))
         self.tech = tech if tech is not None else _Techniques()
         self.velocity = None  # momentum correction: this rank's u, laid out like flat
         self.pending_velocity = None  # loaded velocities by key, used at the next step
@@ -381,12 +433,13 @@ class _Core:
     def stats(self) -> dict:
         return self.comm.stats
 
-    def set_layout(self, keys, numels, dtype: torch.dtype) -> None:
+    def set_layout(self, keys, numels, dtype: torch.dtype, device=None) -> None:
+        """The flat buffer, on ``device`` (the parameters' or the bucket's; default CPU)."""
         self.keys = list(keys)
         self.numels = [int(m) for m in numels]
         self.offsets = np.cumsum([0, *self.numels]).tolist()
         self.n = int(self.offsets[-1])
-        self.flat = torch.zeros(self.n, dtype=dtype)
+        self.flat = torch.zeros(self.n, dtype=dtype, device=device)
 
     def allreducer(self, dense: bool):
         if dense:
@@ -450,15 +503,16 @@ class _Core:
                 self.flat[a:b].zero_()
             if tech.factor_masking and not dense:
                 # X = u + E_old, in the allreducer's work dtype and the same float operations.
-                buf = _as_numpy(self.flat)
-                work = np.float32 if buf.dtype == np.float16 else buf.dtype
-                x_in = buf.astype(work)
-                x_in += A.to_host(ar.residual).astype(work, copy=False)
+                flat = self.flat
+                work = torch.float32 if flat.dtype == torch.float16 else flat.dtype
+                x_in = flat.to(work, copy=True)
+                x_in += _tensor(ar.residual, flat).to(work)
         keep = []
         if not dense and unused and ar.residual_mode != "none":
-            res = ar.residual
-            keep = [(a, b, np.array(res[a:b], copy=True)) for a, b in unused]
-        buf = _as_numpy(self.flat)
+            res = _tensor(ar.residual, self.flat)
+            keep = [(a, b, res[a:b].clone()) for a, b in unused]
+        buf = _vector(self.flat)
+        _sync(self.flat)  # torch's writes to flat are done before the allreducer reads it
         skipped = ar.stats.get("skipped_steps", 0)
         try:
             out = ar(buf)
@@ -469,23 +523,29 @@ class _Core:
         if u_before is not None and ar.stats.get("skipped_steps", 0) != skipped:
             self.velocity, x_in = u_before, None  # nonfinite="skip": the step is not applied
         if keep:
-            res = ar.residual  # the allreducer's own host array: restored in place
+            res = _tensor(ar.residual, self.flat)  # the allreducer's own array: a view
             for a, b, v in keep:
                 res[a:b] = v
-        out.to_dense(out=buf)  # the flat buffer lives on the host (GPU residency: not yet)
+        out.to_dense(out=buf)  # into the flat buffer, on its device
+        _sync(self.flat)
         if x_in is not None:
             # Factor masking: u is zeroed where this rank's accumulation left its residual.
-            sent = (A.to_host(ar.residual) == 0) & (x_in != 0)
-            _as_numpy(self.velocity)[sent] = 0
+            sent = (_tensor(ar.residual, self.flat) == 0) & (x_in != 0)
+            self.velocity[sent] = 0
         self.step += 1
         return out
 
     def _clip(self) -> None:
         """Local gradient clipping (arXiv 1712.01887 §3.3): this rank's whole gradient is scaled
         to the L2 norm clip_norm·P^(-1/2) when its norm (float64) is larger."""
-        buf = _as_numpy(self.flat)
-        norm = float(np.sqrt(np.sum(np.square(buf, dtype=np.float64))))
         limit = self.tech.clip_norm / np.sqrt(self.comm.size)
+        if self.flat.is_cuda:  # on the device: torch's reduction order, float64 as well
+            norm = float(torch.linalg.vector_norm(self.flat, dtype=torch.float64))
+            if norm > limit:
+                self.flat.mul_(limit / norm)
+            return
+        buf = self.flat.numpy()
+        norm = float(np.sqrt(np.sum(np.square(buf, dtype=np.float64))))
         if norm > limit:
             buf *= buf.dtype.type(limit / norm)
 
@@ -517,7 +577,7 @@ class _Core:
     def velocities(self) -> dict:
         if self.velocity is None or self.keys is None:
             return {}
-        u, o = self.velocity.numpy(), self.offsets
+        u, o = self.velocity.cpu().numpy(), self.offsets
         return {k: np.array(u[o[i] : o[i + 1]]) for i, k in enumerate(self.keys)}
 
     def residuals(self) -> dict:
@@ -654,7 +714,8 @@ class _Core:
         if state.get("keys") is None:  # saved before the layout was recorded: same n only
             load(saved)
             return
-        if list(state["keys"]) == self.keys and list(state["numels"]) == self.numels:
+        same = list(state["keys"]) == self.keys and list(state["numels"]) == self.numels
+        if same and not state.get("by_key"):  # by_key: residuals only (overlap mode's states)
             load(saved)
             return
         res = saved.get("residual")
@@ -684,7 +745,339 @@ class _Core:
         load(fresh)
 
 
-class SparseHookState:
+class _Buckets:
+    """Overlap mode of :class:`SparseHookState`: one :class:`_Core` per DDP bucket (its
+    parameters' slices, in the bucket's order), each bucket reduced on one communication thread
+    as soon as DDP hands it over, while backward computes the next ones.
+
+    The cores share one pair of communicators (one ``stats``). Residuals are kept per bucket;
+    when DDP's bucket layout changes (its rebuild after the first iteration), every core's state
+    is carried by parameter key (``carry``: residual slices; ``carry_full``: a bucket's whole
+    allreducer state, for a bucket that comes back with the same parameters) into the new cores.
+    """
+
+    def __init__(self, comm, algorithm, warmup_steps: int, options: dict, tech):
+        self.comm, self.ctl = Comm(comm), Comm(comm)
+        self.algorithm = algorithm
+        self.warmup_steps = warmup_steps
+        self.options = dict(options)
+        self.tech = tech if tech is not None else _Techniques()
+        self.cores = {}  # DDP's bucket index -> _Core
+        self.step = 0  # completed iterations
+        self.created = 0
+        self.carry = {}  # parameter key -> host residual slice, not yet in a bucket's allreducer
+        self.carry_full = {}  # (keys, numels) -> a bucket allreducer's whole state
+        self.carry_step = 0  # the allreducer step the carried residuals were saved at
+        self.checked = False
+        self.jobs = queue.Queue()
+        self.thread = None
+
+    @property
+    def stats(self) -> dict:
+        return self.comm.stats
+
+    @property
+    def sparse(self):
+        return None  # one allreducer per bucket: see ``cores``
+
+    # -- the communication thread -----------------------------------------------------------
+    def submit(self, work, fut) -> None:
+        """Run ``work()`` on the communication thread after the jobs before it; its result or
+        exception completes the torch future ``fut``."""
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=self._serve, args=(self.jobs,), name="spardl-comm", daemon=True
+            )
+            self.thread.start()
+        self.jobs.put((work, fut))
+
+    @staticmethod
+    def _serve(jobs) -> None:
+        while True:
+            work, fut = jobs.get()
+            try:
+                fut.set_result(work())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(e)
+            finally:
+                jobs.task_done()
+
+    def drain(self) -> None:
+        """Wait until the communication thread has finished every submitted bucket."""
+        self.jobs.join()
+
+    # -- one bucket (on the communication thread) -------------------------------------------
+    def reduce_bucket(self, index, buf, keys, numels, used, err, last, check_group):
+        """Collective, in DDP's bucket order on every rank: the control allreduce (any rank's
+        error, which parameters some rank used), then the bucket's sparse allreduce in place."""
+        try:
+            if not self.checked:
+                check_group()
+                self.checked = True
+            local = np.zeros(1 + len(keys), dtype=np.int64)
+            local[0] = err is not None
+            local[1:] = used
+            total = self.ctl.allreduce(local)
+            if total[0]:
+                _raise_everywhere(self.ctl, err)
+            core = self._core_for(index, keys, numels, buf)
+            o = core.offsets
+            with torch.no_grad():
+                core.flat.copy_(buf)
+                core.step = self.step  # dense warm-up by iteration, for every bucket alike
+                core.run([(o[i], o[i + 1]) for i in range(len(keys)) if total[1 + i] == 0])
+                buf.copy_(core.flat)
+            _sync(buf)
+            return buf
+        finally:
+            if last:
+                self.step += 1
+
+    def _core_for(self, index, keys, numels, buf) -> _Core:
+        core = self.cores.get(index)
+        dtype = _flat_dtype([buf.dtype])
+        if core is not None and (
+            (core.keys, core.numels, core.flat.dtype, core.flat.device)
+            != (keys, numels, dtype, buf.device)
+        ):
+            self._release()  # DDP rebuilt its buckets: every core's state goes by key
+            core = None
+        if core is None:
+            opts = (self.algorithm, self.warmup_steps, self.options, self.tech)
+            core = _Core(None, *opts, comms=(self.comm, self.ctl))
+            core.set_layout(keys, numels, dtype, buf.device)
+            core.pending = self._claim(keys, numels)
+            core.allreducer(dense=False)  # collective; applies the carried state
+            self.cores[index] = core
+            self.created += 1
+        return core
+
+    def _release(self) -> None:
+        """Every core's state into ``carry`` / ``carry_full`` (by parameter key); cores dropped."""
+        for core in self.cores.values():
+            saved = core.sparse.state_dict()
+            self.carry_full[(tuple(core.keys), tuple(core.numels))] = saved
+            self.carry.update(_by_key(core.keys, core.numels, saved.get("residual")))
+            self.carry_step = int(saved["step"])
+            _free_subcomms(core.sparse, self.comm)
+        self.cores = {}
+
+    def _claim(self, keys, numels):
+        """The carried state of a new bucket's parameters, as a state :meth:`_Core._apply` loads:
+        the whole allreducer state if a bucket had exactly these parameters, else their
+        residuals by key (the algorithm's own estimates start afresh)."""
+        full = self.carry_full.pop((tuple(keys), tuple(numels)), None)
+        if full is not None:
+            for k in keys:
+                self.carry.pop(k, None)
+            return {"keys": keys, "numels": numels, "allreducer": full}
+        have = [i for i, k in enumerate(keys) if k in self.carry]
+        if not have:
+            return None
+        mine = set(keys)
+        for layout in [kn for kn in self.carry_full if mine & set(kn[0])]:
+            del self.carry_full[layout]  # no longer loadable whole
+        residual = np.concatenate([self.carry.pop(keys[i]) for i in have])
+        return {
+            "by_key": True,
+            "keys": [keys[i] for i in have],
+            "numels": [numels[i] for i in have],
+            "allreducer": {"residual": residual, "step": self.carry_step},
+        }
+
+    # -- state (main thread, after drain) ----------------------------------------------------
+    def residuals(self) -> dict:
+        self.drain()
+        out = {k: np.array(v) for k, v in self.carry.items()}
+        for core in self.cores.values():
+            res = A.to_host(core.sparse.residual)
+            out.update(_by_key(core.keys, core.numels, res, copy=True))
+        return out
+
+    def velocities(self) -> dict:
+        return {}  # momentum_correction is not available in overlap mode
+
+    def state_dict(self) -> dict:
+        import copy
+
+        self.drain()
+        buckets = [
+            {"keys": c.keys, "numels": c.numels, "allreducer": c.sparse.state_dict()}
+            for _, c in sorted(self.cores.items())
+        ]
+        buckets += [
+            {"keys": list(kn[0]), "numels": list(kn[1]), "allreducer": saved}
+            for kn, saved in self.carry_full.items()
+        ]
+        res = self.residuals()
+        keys = list(res)
+        steps = [int(b["allreducer"]["step"]) for b in buckets] or [self.carry_step]
+        return to_torch_state(
+            {
+                "algorithm": self.algorithm,
+                "step": self.step,
+                "by_key": True,  # the residuals of every parameter; the buckets' states whole
+                "keys": keys,
+                "numels": [len(res[k]) for k in keys],
+                "allreducer": {
+                    "residual": np.concatenate([res[k] for k in keys]) if keys else None,
+                    "step": max(steps),
+                    "world_size": self.comm.size,
+                },
+                "buckets": buckets,
+                "stats": copy.deepcopy(self.stats),
+                "techniques": self.tech.as_dict(),
+                "velocity": None,
+            }
+        )
+
+    def load_state_dict(self, state) -> None:
+        """Collective, all or nothing (as :meth:`_Core.load_state_dict`); the state is carried by
+        key into the buckets' allreducers as they are built (whole where a saved bucket had
+        the same parameters)."""
+        self.drain()
+        err, new = None, None
+        try:
+            new = self._load_local(state)
+        except (TypeError, ValueError) as e:
+            err = e
+        step = -1 if new is None else new[0]
+        collective_check(
+            self.ctl,
+            err,
+            [name_hash("load_state_dict"), self.step, step],
+            {"load_state_dict": self.algorithm, "step before": self.step, "state's step": step},
+        )
+        for core in self.cores.values():
+            _free_subcomms(core.sparse, self.comm)
+        self.step, stats, self.carry_full, self.carry, self.carry_step = new
+        self.cores = {}
+        self.stats.clear()
+        self.stats.update(stats)
+
+    def _load_local(self, state):
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict (from state_dict()), got {type(state).__name__}")
+        state = from_torch_state(state)
+        missing = [k for k in ("algorithm", "step") if k not in state]
+        if missing:
+            raise ValueError(f"state is missing key(s) {missing} (not a state_dict() output?)")
+        if state["algorithm"] != self.algorithm:
+            raise ValueError(
+                f"state was saved with algorithm={state['algorithm']!r}, "
+                f"this one has {self.algorithm!r}"
+            )
+        if state.get("velocity"):
+            raise ValueError(
+                "the state holds momentum-correction velocities; overlap mode does not use them"
+            )
+        saved = state.get("allreducer")
+        full, carry, carry_step = {}, {}, 0
+        if saved is not None:
+            if not isinstance(saved, dict) or saved.get("world_size") != self.comm.size:
+                got = saved.get("world_size") if isinstance(saved, dict) else None
+                raise ValueError(
+                    f"state was saved with world_size={got!r}, this one has {self.comm.size}"
+                )
+            keys, numels = state.get("keys"), state.get("numels")
+            if keys is None:
+                raise ValueError(
+                    "state has no parameter layout (saved by an older spardl); overlap mode "
+                    "assigns residuals by parameter"
+                )
+            if not state.get("by_key") and "resized_from" not in saved:
+                full[(tuple(keys), tuple(numels))] = saved
+            for b in state.get("buckets") or []:
+                full[(tuple(b["keys"]), tuple(b["numels"]))] = b["allreducer"]
+            carry = _by_key(keys, numels, saved.get("residual"), copy=True)
+            carry_step = int(saved.get("step", 0))
+        return int(state["step"]), dict(state.get("stats") or {}), full, carry, carry_step
+
+
+def _by_key(keys, numels, residual, copy=False) -> dict:
+    """A flat residual's slices by parameter key (empty for no residual)."""
+    if residual is None:
+        return {}
+    offs = np.cumsum([0, *numels]).tolist()
+    res = np.asarray(residual)
+    return {
+        k: (np.array if copy else np.asarray)(res[offs[i] : offs[i + 1]])
+        for i, k in enumerate(keys)
+    }
+
+
+class _Front:
+    """What :class:`SparseGradientReducer` and :class:`SparseHookState` show of their core
+    (``self._core``): step, counters, residuals and velocities by parameter, checkpoints."""
+
+    _core: _Core
+
+    @property
+    def step(self) -> int:
+        """Completed steps: calls of ``reduce`` (the reducer), iterations (the hook)."""
+        return self._core.step
+
+    @property
+    def stats(self) -> dict:
+        """Cumulative message and byte counters of the allreducers (warm-up included); see
+        :mod:`spardl.comm`."""
+        return self._core.stats
+
+    def velocities(self) -> dict:
+        """Each parameter's momentum-correction velocity u (this rank's), keyed like the
+        checkpoint: name or position.
+
+        Returns
+        -------
+        dict of str -> ndarray
+            Empty without ``momentum_correction`` or before the first step.
+        """
+        return self._core.velocities()
+
+    def residuals(self) -> dict:
+        """Each parameter's residual (this rank's), keyed like the checkpoint: name or position.
+
+        Returns
+        -------
+        dict of str -> ndarray
+            Empty before the first sparse step.
+        """
+        return self._core.residuals()
+
+    def state_dict(self) -> dict:
+        """The allreducer's state (residuals, selector state, density), the parameter layout,
+        step and counters, and with ``momentum_correction`` the velocities keyed by parameter
+        (they follow their parameters into another layout, like the residuals).
+
+        Arrays are torch tensors and scalars plain Python numbers, so ``torch.save`` /
+        ``torch.load`` (with its default ``weights_only=True``) round-trip it.
+        """
+        return self._core.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`. Same parameters in the same layout: the next step
+        continues bit for bit. Another layout (other parameters' order, a parameter more):
+        each parameter's residual follows it, by key; the algorithm's own estimates (Ok-Topk's
+        thresholds and regions, SparDL's budget h, selector state) start afresh. The hook
+        applies it when its allreducer is created (at the first sparse iteration).
+
+        Collective (every rank calls it, with its own rank's state), and all or nothing: a
+        state that is bad on any rank raises on every rank, and every rank's state (step,
+        counters, velocities, the allreducer's state) stays as it was.
+
+        Raises
+        ------
+        TypeError
+            On every rank, if some rank's ``state`` is not a dict.
+        ValueError
+            On every rank, if some rank's state misses a key, was saved with another algorithm
+            or world size, or holds residuals of parameters that are not reduced here (or of
+            another size).
+        """
+        self._core.load_state_dict(state)
+
+
+class SparseHookState(_Front):
     """State of :func:`sparse_allreduce_hook`: one allreducer over the model's gradient, with
     residuals kept by parameter.
 
@@ -713,6 +1106,17 @@ class SparseHookState:
         Deep Gradient Compression's techniques, as in :class:`SparseGradientReducer`; they run on
         the model's whole gradient (every bucket of the iteration), with the velocity kept by
         parameter and checkpointed in :meth:`state_dict`.
+    overlap : bool, default False
+        Reduce each DDP bucket as soon as DDP hands it over, on one communication thread, while
+        backward computes the next buckets: the hook's future for a bucket completes when that
+        bucket's sparse allreduce finishes. Buckets are reduced in DDP's order (the same on
+        every rank), each with its own allreducer and residuals (kept per parameter slice of
+        the bucket, checkpointed by parameter key): results then depend on DDP's bucket layout
+        (``bucket_cap_mb``), unlike the default mode, and are not bit-identical to it. Needs
+        MPI initialised with at least ``MPI.THREAD_SERIALIZED`` (mpi4py's default is
+        ``THREAD_MULTIPLE``); under ``THREAD_SERIALIZED`` the program must not call MPI itself
+        during backward. ``clip_norm`` and ``momentum_correction`` (which need the whole
+        gradient) are not available with it.
     **allreducer_options
         Passed to :func:`spardl.make` (``density``, ``teams``, ``residual``, ...). ``op`` is
         always "mean", as DDP expects averaged gradients.
@@ -730,10 +1134,19 @@ class SparseHookState:
     ------
     ValueError, TypeError
         On every rank (collective), if any rank's algorithm, option or ``warmup_steps`` is
-        invalid or the ranks disagree; the messages are those of :func:`spardl.make`.
+        invalid or the ranks disagree; the messages are those of :func:`spardl.make`; with
+        ``overlap=True``, if ``clip_norm`` or ``momentum_correction`` is given.
+    RuntimeError
+        With ``overlap=True``, if MPI's thread level (``MPI.Query_thread()``) is below
+        ``MPI.THREAD_SERIALIZED`` (other ranks: a ValueError naming it).
 
     Notes
     -----
+    In overlap mode an error while a bucket is reduced (a rank's sparse gradient, a
+    non-finite gradient with ``nonfinite="raise"``) completes that bucket's future with the
+    exception on every rank, and the hook raises it at the iteration's last bucket (after the
+    others are reduced), so ``loss.backward()`` raises it on every rank with its own type.
+
     Parameters that no rank used in an iteration (``find_unused_parameters=True``) keep their
     residual: DDP leaves their ``.grad`` alone, so what was selected for them is put back.
     Sparse gradients (``nn.Embedding(sparse=True)``) raise a TypeError naming the parameter.
@@ -751,6 +1164,7 @@ class SparseHookState:
         clip_norm=None,
         density_warmup: int = 0,
         warmup_density: float | None = None,
+        overlap: bool = False,
         **allreducer_options,
     ):
         err, tech = None, None
@@ -758,6 +1172,10 @@ class SparseHookState:
             warmup_steps = _check_warmup(warmup_steps)
             if model is not None and not isinstance(model, torch.nn.Module):
                 raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+            if not isinstance(overlap, bool):
+                raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
+            if overlap:
+                _check_overlap(momentum_correction, clip_norm)
             tech = _Techniques(
                 momentum_correction,
                 factor_masking,
@@ -767,14 +1185,20 @@ class SparseHookState:
                 density=allreducer_options.get("density", _DEFAULT_DENSITY),
                 residual=allreducer_options.get("residual", "global"),
             )
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RuntimeError) as e:
             err = e
-        agreed = {"warmup_steps": warmup_steps, **(tech.as_dict() if tech else {})}
+        agreed = {
+            "warmup_steps": warmup_steps,
+            "overlap": overlap,
+            **(tech.as_dict() if tech else {}),
+        }
         if err is None and model is not None:
             inner = getattr(model, "module", model)
             named = [(k, p) for k, p in inner.named_parameters() if p.requires_grad]
             agreed["parameters"] = _layout([k for k, _ in named], [p for _, p in named])
-        self._core = _Core(comm, algorithm, 0, allreducer_options, tech)
+        self.overlap = overlap is True
+        core = _Buckets if self.overlap else _Core
+        self._core = core(comm, algorithm, 0, allreducer_options, tech)
         _validate_options(
             self._core.ctl, algorithm, allreducer_options, err, hook=True, agreed=agreed
         )
@@ -784,6 +1208,8 @@ class SparseHookState:
         self._names = None
         self._params = None
         self._used = None
+        self._index = None  # parameter id -> position (keys of unnamed parameters)
+        self._futures = []  # overlap mode: this iteration's futures
         self._inflight = []
         self._checked = False
         if model is not None:
@@ -796,7 +1222,8 @@ class SparseHookState:
     def _track(self, params) -> None:
         # A gradient hook fires when autograd computes the parameter's gradient, before DDP's
         # own hook marks it ready: at the last bucket, every parameter this rank used is known.
-        self._used = {}
+        if self._used is None:
+            self._used = {}
         for p in params:
             if id(p) not in self._used:
                 self._used[id(p)] = False
@@ -811,69 +1238,23 @@ class SparseHookState:
         return hook
 
     @property
-    def step(self) -> int:
-        return self._core.step
-
-    @property
     def allreducer(self):
+        """The sparse allreducer (created at the first sparse iteration); None in overlap mode,
+        where each bucket has its own."""
         return self._core.sparse
 
     @property
     def created(self) -> int:
-        """How many sparse allreducers this state has created (one)."""
+        """How many sparse allreducers this state has created (one; in overlap mode one per
+        bucket, and again after DDP rebuilds its buckets)."""
         return self._core.created
 
-    @property
-    def stats(self) -> dict:
-        return self._core.stats
-
-    def velocities(self) -> dict:
-        """Each parameter's momentum-correction velocity u (this rank's), keyed like the
-        checkpoint: name or position.
-
-        Returns
-        -------
-        dict of str -> ndarray
-            Empty without ``momentum_correction`` or before the first step.
-        """
-        return self._core.velocities()
-
-    def residuals(self) -> dict:
-        """Each parameter's residual (this rank's), keyed like the checkpoint: name or position.
-
-        Returns
-        -------
-        dict of str -> ndarray
-            Empty before the first sparse iteration.
-        """
-        return self._core.residuals()
-
-    def state_dict(self) -> dict:
-        """Step, counters, the parameter layout, the allreducer's state (residuals, density) and,
-        with ``momentum_correction``, the velocities keyed by parameter."""
-        return self._core.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`, applied when the allreducer is created (at the first
-        sparse iteration). Same layout: bit for bit. Another layout (other parameters' order,
-        another model key): each parameter's residual follows it, by key; the algorithm's own
-        estimates (Ok-Topk's thresholds and regions, SparDL's budget h, selector state) are
-        re-estimated from scratch.
-
-        Collective (every rank calls it, with its own rank's state), and all or nothing: a
-        state that is bad on any rank raises on every rank, and every rank's state stays as it
-        was. The state applied at the first sparse iteration is agreed the same way.
-
-        Raises
-        ------
-        TypeError
-            On every rank, if some rank's ``state`` is not a dict.
-        ValueError
-            On every rank, if some rank's state misses a key, was saved with another algorithm or
-            world size (at once), or holds residuals of parameters this model does not reduce
-            (when applied).
-        """
-        self._core.load_state_dict(state)
+    def drain(self) -> None:
+        """Overlap mode: wait until every bucket handed to the communication thread is reduced
+        (DDP waits for them itself at the end of backward; this is for a backward that raised).
+        A no-op otherwise."""
+        if self.overlap:
+            self._core.drain()
 
     # -- the hook's work --------------------------------------------------------------------
     def _name(self, p, i=None) -> str:
@@ -898,9 +1279,11 @@ class SparseHookState:
         self._checked = True
 
     def _bucket(self, bucket):
+        if self.overlap:
+            return self._bucket_overlap(bucket)
         if not self._checked:
             self._check_group()
-        fut = torch.futures.Future()
+        fut = _future(bucket.buffer())
         self._inflight.append((bucket.buffer(), list(bucket.parameters()), fut))
         if not bucket.is_last():
             return fut
@@ -913,6 +1296,55 @@ class SparseHookState:
             raise
         for buf, _, f in inflight:
             f.set_result(buf)
+        return fut
+
+    def _bucket_overlap(self, bucket):
+        """Overlap mode: what the bucket's reduction needs, taken now (on the autograd thread);
+        the reduction itself queued on the communication thread."""
+        buf, params = bucket.buffer(), list(bucket.parameters())
+        err = None
+        if buf.layout != torch.strided:
+            names = ", ".join(self._name(p) for p in params)
+            err = TypeError(
+                f"parameter {names} has a sparse gradient ({buf.layout}); "
+                "sparse_allreduce_hook reduces dense gradients only (use "
+                "nn.Embedding(sparse=False))"
+            )
+        if self._index is None:
+            self._index = {id(p): i for i, p in enumerate(self._params or [])}
+            self._track([])
+        new = [p for p in params if id(p) not in self._used or id(p) not in self._index]
+        for p in new:
+            self._index.setdefault(id(p), len(self._index))
+        self._track(new)
+        fresh = {id(p) for p in new}  # tracked from now on: counted as used this time
+        used = [1 if id(p) in fresh or self._used[id(p)] else 0 for p in params]
+        for p in params:
+            self._used[id(p)] = False
+        keys = [self._name(p, self._index[id(p)]) for p in params]
+        numels = [p.numel() for p in params]
+        fut = _future(buf)
+        work = functools.partial(
+            self._core.reduce_bucket,
+            bucket.index(),
+            buf,
+            keys,
+            numels,
+            used,
+            err,
+            bucket.is_last(),
+            self._check_group,
+        )
+        self._core.submit(work, fut)
+        self._futures.append(fut)
+        if bucket.is_last():
+            # Backward has computed every bucket: wait for the last reductions here (DDP would
+            # wait right after), so that an error raises from the hook with its own type, on
+            # every rank (each bucket's future holds its own outcome as well).
+            futures, self._futures = self._futures, []
+            self._core.drain()
+            for f in futures:
+                f.wait()
         return fut
 
     def _reduce(self, inflight) -> None:
@@ -942,7 +1374,9 @@ class SparseHookState:
             self._index = {id(p): i for i, p in enumerate(order)}
             keys = [self._name(p, i) for i, p in enumerate(order)]
             dtype = _flat_dtype(p.dtype for p in order)
-            core.set_layout(keys, [p.numel() for p in order], dtype)
+            devices = {buf.device for buf, _, _ in inflight}
+            device = devices.pop() if len(devices) == 1 else None
+            core.set_layout(keys, [p.numel() for p in order], dtype, device)
             first = self._used is None
             if first:
                 self._track(order)
@@ -1020,7 +1454,7 @@ def sparse_allreduce_hook(state: SparseHookState, bucket) -> torch.futures.Futur
     return state._bucket(bucket)
 
 
-class SparseGradientReducer:
+class SparseGradientReducer(_Front):
     """Sparse allreduce of a model's gradients in a plain training loop (the papers' setup).
 
     After ``loss.backward()``, :meth:`reduce` flattens every gradient into one contiguous buffer,
@@ -1147,24 +1581,19 @@ class SparseGradientReducer:
             "parameters": _layout(self.names, self.params),
         }
         _validate_options(self._core.ctl, algorithm, options, err, agreed=agreed)
+        # The flat buffer lives on the parameters' device (CPU when they span several).
+        devices = {p.device for p in self.params}
         self._core.set_layout(
-            self.names, [p.numel() for p in self.params], _flat_dtype(p.dtype for p in self.params)
+            self.names,
+            [p.numel() for p in self.params],
+            _flat_dtype(p.dtype for p in self.params),
+            devices.pop() if len(devices) == 1 else None,
         )
         # Built here, on every rank, so that a bad n fails before training starts.
         self.allreducer = self._core.allreducer(dense=False)
         self._flat = self._core.flat
         self._offsets = self._core.offsets
         self.last_result = None
-
-    @property
-    def step(self) -> int:
-        """Completed calls of :meth:`reduce`."""
-        return self._core.step
-
-    @property
-    def stats(self) -> dict:
-        """Cumulative message and byte counters (warm-up included); see :mod:`spardl.comm`."""
-        return self._core.stats
 
     def reduce(self):
         """Average the gradients over the ranks (sparsely) and write them back into ``.grad``.
@@ -1229,58 +1658,11 @@ class SparseGradientReducer:
         self.last_result = out
         return out
 
-    def velocities(self) -> dict:
-        """Each parameter's momentum-correction velocity u (this rank's), keyed like the
-        checkpoint: name or position.
-
-        Returns
-        -------
-        dict of str -> ndarray
-            Empty without ``momentum_correction`` or before the first step.
-        """
-        return self._core.velocities()
-
-    def residuals(self) -> dict:
-        """Each parameter's residual (this rank's), keyed like the checkpoint: name or position.
-
-        Returns
-        -------
-        dict of str -> ndarray
-            Empty before the first sparse step.
-        """
-        return self._core.residuals()
-
     def state_dict(self) -> dict:
-        """The allreducer's state (residuals, selector state, density), the layout, step and
-        counters, and with ``momentum_correction`` the velocities keyed by parameter (they follow
-        their parameters into another layout, like the residuals).
-
-        Arrays are torch tensors and scalars plain Python numbers, so ``torch.save`` /
-        ``torch.load`` (with its default ``weights_only=True``) round-trip it.
-        """
+        """As :meth:`_Front.state_dict`, with ``n`` (the number of reduced elements)."""
         state = self._core.state_dict()
         state["n"] = self.n
         return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; the next :meth:`reduce` continues bit for bit (with the
-        same parameters; with others, each parameter's residual follows its key and the
-        algorithm's own estimates start afresh).
-
-        Collective (every rank calls it, with its own rank's state), and all or nothing: a
-        state that is bad on any rank raises on every rank, and every rank's state (step,
-        counters, velocities, the allreducer's state) stays as it was.
-
-        Raises
-        ------
-        TypeError
-            On every rank, if some rank's ``state`` is not a dict.
-        ValueError
-            On every rank, if some rank's state misses a key, was saved with another algorithm
-            or world size, or holds residuals of parameters this reducer does not have (or of
-            another size).
-        """
-        self._core.load_state_dict(state)
 
 
 def to_torch_state(obj):
