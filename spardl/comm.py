@@ -16,6 +16,13 @@ Accounting rules (``stats``):
 * ``control_messages``: cross-rank consistency checks, not data.
 * ``phases``: the same three counters per phase name.
 
+Python objects (states, reports, decisions, measurements) travel in the object methods
+(``bcast_object``, ``gather_object``, ``allgather_object``, ``scatter_object``,
+``send_object`` / ``recv_object``, ``barrier``), pickled on the host and clocked like every other
+call; they are not counted in ``stats`` unless the caller asks (``control=True``: one control
+message), so an allreducer's stats stay its own traffic. No other module reaches mpi4py through a
+:class:`Comm` (tests/test_imports.py).
+
 GPU buffers. Every function here also takes device arrays (Numba device arrays, the CUDA
 simulator's, or anything with ``__cuda_array_interface__``) and then returns device arrays:
 packing and unpacking run on the device, and only the packed O(k)-byte message crosses to MPI.
@@ -31,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
 import os
 import time
 import zlib
@@ -73,7 +81,8 @@ def new_stats() -> dict:
 
 class _TimedMPI:
     """An mpi4py communicator whose every method call adds its wall and thread-CPU seconds to
-    ``clock`` (what :meth:`Comm.start_trace` with ``timed=True`` puts in place)."""
+    ``clock`` (what :meth:`Comm.start_trace` with ``timed=True`` and :meth:`Comm.mpi_clock` put
+    in place)."""
 
     __slots__ = ("_comm", "_clock")
 
@@ -509,12 +518,19 @@ class Comm:
         self._pinned: dict = {}  # slot -> pinned host staging buffer (uint8), grown as needed
 
     @property
-    def mpi(self):
-        """The wrapped mpi4py communicator (a timing proxy of it while a timed trace runs)."""
+    def _clocked(self):
+        """The wrapped mpi4py communicator, through a timing proxy while a clock runs
+        (:meth:`start_trace` with ``timed=True``, :meth:`mpi_clock`): every MPI call of this
+        class goes through it, and nothing outside this module reaches mpi4py."""
         clock = self._acct.clock
         return self._mpi if clock is None else _TimedMPI(self._mpi, clock)
 
-    # -- device buffers ---------------------------------------------------------------------
+    # -- wire buffers -------------------------------------------------------------------------
+    # The one place that decides how an array meets MPI; every data method below asks these
+    # four. A host array goes to MPI as it is. A device array goes as it is to a CUDA-aware MPI
+    # (after the default stream is synchronised), else through this Comm's pinned staging
+    # buffers: one device-to-host copy before the call, one host-to-device copy after it. A
+    # wire buffer is handed to mpi4py as ``_mpi_buffer(buf)``.
     def _stage(self, slot: str, nbytes: int) -> np.ndarray:
         """A pinned host buffer of at least ``nbytes`` for ``slot`` ("send" or "recv"), reused
         between calls and grown (doubling) when too small."""
@@ -527,26 +543,48 @@ class Comm:
         return buf[:nbytes]
 
     def _send_wire(self, x, slot: str = "send"):
-        """What MPI reads for device array ``x``: x itself when CUDA-aware, else a pinned copy."""
+        """What MPI reads for array ``x``: ``x`` itself (a host array, or a device array when
+        CUDA-aware), else a pinned host copy of it (this Comm's own: a reduction may overwrite
+        it)."""
+        if not A.is_device(x):
+            return x
         _sync()
         if cuda_aware():
-            return _mpi_buffer(x)
+            return x
         h = self._stage(slot, x.nbytes).view(x.dtype)
         x.copy_to_host(h)
         return h
 
-    def _recv_wire(self, count: int, dtype, slot: str = "recv"):
-        """Where MPI writes ``count`` items for a device result: a device or a pinned buffer."""
+    def _recv_wire(self, count: int, dtype, device: bool, slot: str = "recv"):
+        """Where MPI writes ``count`` items of a result: a new host array; for a ``device``
+        result a new device array when CUDA-aware, else a pinned host buffer."""
         dtype = np.dtype(dtype)
+        if not device:
+            return np.empty(count, dtype=dtype)
         if cuda_aware():
             _sync()
             return A.empty(count, dtype, True)
         return self._stage(slot, count * dtype.itemsize).view(dtype)
 
+    def _inplace_wire(self, x, read: bool, slot: str = "send"):
+        """Where MPI reads and writes array ``x`` in place (a broadcast's buffer): ``x`` itself
+        (a host array, or a device array when CUDA-aware), else a pinned host buffer of its
+        size, holding a copy of ``x`` when ``read`` (MPI reads it: a broadcast's root)."""
+        if read or not A.is_device(x) or cuda_aware():
+            return self._send_wire(x, slot)
+        return self._stage(slot, x.nbytes).view(x.dtype)
+
     @staticmethod
-    def _device_result(buf):
-        """The received data as a device array (a copy to the device when it was staged)."""
-        return A.to_device(buf) if isinstance(buf, np.ndarray) else buf
+    def _wire_result(buf, device: bool, into=None):
+        """The array MPI wrote into wire buffer ``buf``, on the caller's side: ``buf`` itself
+        (host, or a device buffer), or for a ``device`` result that was staged a copy on the
+        device (into the device array ``into`` when given)."""
+        if not (device and isinstance(buf, np.ndarray)):
+            return buf
+        if into is None:
+            return A.to_device(buf)
+        into.copy_to_device(buf)
+        return into
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -586,6 +624,37 @@ class Comm:
         self._acct.clock = None
         return trace
 
+    @contextlib.contextmanager
+    def mpi_clock(self):
+        """Clock the MPI calls made inside the ``with`` block (on this communicator and those
+        that share its accounting: split from it, or allreducers built on it).
+
+        Yields
+        ------
+        list
+            ``[wall seconds, thread-CPU seconds, calls]`` spent inside MPI calls in the block
+            (busy-polling included), filled in when the block ends.
+
+        Notes
+        -----
+        Inside a timed trace (:meth:`start_trace` with ``timed=True``) or another
+        ``mpi_clock`` block, the outer clock goes on counting these calls too; the yielded
+        list holds the block's share.
+        """
+        acct = self._acct
+        own = acct.clock is None
+        if own:
+            acct.clock = [0.0, 0.0, 0]
+        clock = acct.clock
+        start = list(clock)
+        spent = [0.0, 0.0, 0]
+        try:
+            yield spent
+        finally:
+            spent[:] = [now - then for now, then in zip(clock, start, strict=True)]
+            if own:
+                acct.clock = None
+
     def next_step(self) -> None:
         """Advance the step counter used in traces."""
         self._acct.step += 1
@@ -614,16 +683,12 @@ class Comm:
         ``sendbuf`` is one).
         """
         device = A.is_device(sendbuf)
-        if device:
-            sendbuf = A.view(sendbuf)
-            send = self._send_wire(sendbuf)
-            recv = self._recv_wire(max(int(capacity), 1), np.uint8)
-        else:
-            send = sendbuf
-            recv = np.empty(max(int(capacity), 1), dtype=np.uint8)
+        sendbuf = A.view(sendbuf)
+        send = self._send_wire(sendbuf)
+        recv = self._recv_wire(max(int(capacity), 1), np.uint8, device)
         status = MPI.Status()
-        self.mpi.Sendrecv(
-            [send, MPI.BYTE],
+        self._clocked.Sendrecv(
+            [_mpi_buffer(send), MPI.BYTE],
             dest,
             tag,
             [_mpi_buffer(recv), MPI.BYTE],
@@ -634,16 +699,12 @@ class Comm:
         nrecv = status.Get_count(MPI.BYTE)
         self._acct.sent(sendbuf.nbytes, dest, "p2p")
         self._acct.received(nrecv)
-        return self._device_result(recv[:nrecv]) if device else recv[:nrecv]
+        return self._wire_result(recv[:nrecv], device)
 
     def send_bytes(self, buf: np.ndarray, dest: int, tag: int = 0) -> None:
         """One-way send of a byte buffer to ``dest`` (tree algorithms: a child to its parent)."""
-        if A.is_device(buf):
-            buf = A.view(buf)
-            self.mpi.Send([self._send_wire(buf), MPI.BYTE], dest, tag)
-        else:
-            buf = np.ascontiguousarray(buf, dtype=np.uint8)
-            self.mpi.Send([buf, MPI.BYTE], dest, tag)
+        buf = A.view(buf) if A.is_device(buf) else np.ascontiguousarray(buf, dtype=np.uint8)
+        self._clocked.Send([_mpi_buffer(self._send_wire(buf)), MPI.BYTE], dest, tag)
         self._acct.sent(buf.nbytes, dest, "p2p")
 
     def recv_bytes(
@@ -651,15 +712,12 @@ class Comm:
     ) -> np.ndarray:
         """Receive at most ``capacity`` bytes from ``source``; the size is read from the status.
         With ``device``, the bytes are returned as a device array."""
-        if device:
-            recv = self._recv_wire(max(int(capacity), 1), np.uint8)
-        else:
-            recv = np.empty(max(int(capacity), 1), dtype=np.uint8)
+        recv = self._recv_wire(max(int(capacity), 1), np.uint8, device)
         status = MPI.Status()
-        self.mpi.Recv([_mpi_buffer(recv), MPI.BYTE], source, tag, status=status)
+        self._clocked.Recv([_mpi_buffer(recv), MPI.BYTE], source, tag, status=status)
         nrecv = status.Get_count(MPI.BYTE)
         self._acct.received(nrecv)
-        return self._device_result(recv[:nrecv]) if device else recv[:nrecv]
+        return self._wire_result(recv[:nrecv], device)
 
     def exchange_blocks(
         self,
@@ -730,22 +788,21 @@ class Comm:
         instead, and is returned; ``out is x`` reduces in place (``MPI_IN_PLACE``: no copy of
         ``x`` and no new buffer). Ignored for a device ``x``.
         """
-        if A.is_device(x):
+        device = A.is_device(x)
+        if device:
             x = A.view(x)
-            if cuda_aware():
-                _sync()
-                out = A.empty(x.shape[0], x.dtype, True)
-                self.mpi.Allreduce(_mpi_buffer(x), _mpi_buffer(out), op=_mpi_op(op))
-            else:
-                h = self._send_wire(x)
-                self.mpi.Allreduce(MPI.IN_PLACE, h, op=_mpi_op(op))
-                out = A.to_device(h)
+            send = self._send_wire(x)
+            if send is x:  # CUDA-aware: into a new device buffer
+                recv = self._recv_wire(x.shape[0], x.dtype, True)
+            else:  # a staged copy, this Comm's own: reduced in place
+                send, recv = MPI.IN_PLACE, send
         elif out is not None and out is x:
-            self.mpi.Allreduce(MPI.IN_PLACE, x, op=_mpi_op(op))
+            send, recv = MPI.IN_PLACE, x
         else:
-            x = np.ascontiguousarray(x)
-            out = np.empty_like(x) if out is None else out
-            self.mpi.Allreduce(x, out, op=_mpi_op(op))
+            send = x = np.ascontiguousarray(x)
+            recv = np.empty_like(x) if out is None else out
+        self._clocked.Allreduce(_mpi_buffer(send), _mpi_buffer(recv), op=_mpi_op(op))
+        out = self._wire_result(recv, device)
         vol = 2 * x.nbytes * (self.size - 1) // self.size
         self._acct.sent(vol, -1, "allreduce")
         self._acct.received(vol)
@@ -754,16 +811,12 @@ class Comm:
     def allgather_array(self, x: np.ndarray) -> np.ndarray:
         """All-gather equal-size arrays: returns shape (P,) + x.shape (a device array for a 1-D
         device ``x``)."""
-        if A.is_device(x):
-            x = A.view(x)
-            send = self._send_wire(x)
-            recv = self._recv_wire(self.size * x.shape[0], x.dtype)
-            self.mpi.Allgather(send, _mpi_buffer(recv))
-            out = self._device_result(recv).reshape(self.size, x.shape[0])
-        else:
-            x = np.ascontiguousarray(x)
-            out = np.empty((self.size,) + x.shape, dtype=x.dtype)
-            self.mpi.Allgather(x, out)
+        device = A.is_device(x)
+        x = A.view(x) if device else np.ascontiguousarray(x)
+        send = self._send_wire(x)
+        recv = self._recv_wire(self.size * math.prod(x.shape), x.dtype, device)
+        self._clocked.Allgather(_mpi_buffer(send), _mpi_buffer(recv))
+        out = self._wire_result(recv, device).reshape((self.size, *x.shape))
         vol = x.nbytes * (self.size - 1)
         self._acct.sent(vol, -1, "allgather")
         self._acct.received(vol)
@@ -784,7 +837,7 @@ class Comm:
             send = np.zeros(m, dtype=np.uint8)
             send[: buf.nbytes] = buf
             recv = np.empty(m * self.size, dtype=np.uint8)
-            self.mpi.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
+            self._clocked.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
             vol = m * (self.size - 1)
             self._acct.sent(vol, -1, "allgather")
             self._acct.received(vol)
@@ -792,15 +845,14 @@ class Comm:
         displs = np.zeros(self.size, dtype=np.int64)
         np.cumsum(sizes[:-1], out=displs[1:])
         total = int(sizes.sum())
-        if A.is_device(buf):
-            buf = A.view(buf)
-            send = self._send_wire(buf)
-            recv = self._recv_wire(max(total, 1), np.uint8)
-            self.mpi.Allgatherv([send, MPI.BYTE], [_mpi_buffer(recv), (sizes, displs), MPI.BYTE])
-            recv = self._device_result(recv)
-        else:
-            recv = np.empty(max(total, 1), dtype=np.uint8)
-            self.mpi.Allgatherv([buf, MPI.BYTE], [recv, (sizes, displs), MPI.BYTE])
+        device = A.is_device(buf)
+        buf = A.view(buf)
+        send = self._send_wire(buf)
+        recv = self._recv_wire(max(total, 1), np.uint8, device)
+        self._clocked.Allgatherv(
+            [_mpi_buffer(send), MPI.BYTE], [_mpi_buffer(recv), (sizes, displs), MPI.BYTE]
+        )
+        recv = self._wire_result(recv, device)
         vol = total - int(buf.nbytes)
         self._acct.sent(vol, -1, "allgatherv")
         self._acct.received(vol)
@@ -817,23 +869,12 @@ class Comm:
     def bcast(self, x: np.ndarray, root: int) -> np.ndarray:
         """Broadcast a contiguous array from ``root``; every rank passes a buffer of that shape
         (a 1-D device array is received in place on the device)."""
-        if A.is_device(x):
-            x = A.view(x)
-            if cuda_aware():
-                _sync()
-                self.mpi.Bcast(_mpi_buffer(x), root=root)
-            else:
-                h = (
-                    self._send_wire(x)
-                    if self.rank == root
-                    else self._recv_wire(x.shape[0], x.dtype, "send")
-                )
-                self.mpi.Bcast(h, root=root)
-                if self.rank != root:
-                    x.copy_to_device(h)
-        else:
-            x = np.ascontiguousarray(x)
-            self.mpi.Bcast(x, root=root)
+        device = A.is_device(x)
+        x = A.view(x) if device else np.ascontiguousarray(x)
+        buf = self._inplace_wire(x, read=self.rank == root)
+        self._clocked.Bcast(_mpi_buffer(buf), root=root)
+        if self.rank != root:
+            self._wire_result(buf, device, into=x)
         self._acct.sent(x.nbytes * (self.size - 1) // self.size, -1, "bcast")
         if self.rank != root:
             self._acct.received(x.nbytes)
@@ -867,19 +908,146 @@ class Comm:
         # max(v) == -max(-v) iff every rank holds the same v: one MAX allreduce answers both.
         v = np.concatenate(([0 if ok else 1], sig, -sig)).astype(np.int64)
         out = np.empty_like(v)
-        self.mpi.Allreduce(v, out, op=MPI.MAX)
+        self._clocked.Allreduce(v, out, op=MPI.MAX)
         self.stats["control_messages"] += 1
         m = len(sig)
         return bool(out[0] == 0), bool(np.all(out[1 : 1 + m] == -out[1 + m :]))
 
-    def allgather_object(self, obj):
-        """All-gather small Python objects (error reports); counted as a control message."""
-        self.stats["control_messages"] += 1
-        return self.mpi.allgather(obj)
-
     def abort(self, code: int = 1) -> None:
         """Abort every process of the communicator (used when a rank fails mid-collective)."""
-        self.mpi.Abort(code)
+        self._mpi.Abort(code)
+
+    # -- Python objects -----------------------------------------------------------------------
+    # Pickled by mpi4py (its lower-case methods), on the host: for states, reports, decisions
+    # and measurements, never for an algorithm's data, which travels in the buffer methods above
+    # (their accounting and their GPU policy; an array inside an object travels pickled).
+    # Clocked like every call here.
+    # Not counted in ``stats`` unless ``control`` (one control message per call): what an
+    # allreducer's stats count is its own traffic, not the checkpoints or traces around it.
+    def _object_call(self, name: str, control: bool, *args, **kwargs):
+        if control:
+            self.stats["control_messages"] += 1
+        return getattr(self._clocked, name)(*args, **kwargs)
+
+    def barrier(self, *, control: bool = False) -> None:
+        """Wait until every rank has called it (``MPI_Barrier``).
+
+        Parameters
+        ----------
+        control : bool, default False
+            Count one control message in ``stats``.
+        """
+        self._object_call("Barrier", control)
+
+    def allgather_object(self, obj, *, control: bool = True):
+        """All-gather one picklable Python object per rank.
+
+        Parameters
+        ----------
+        obj : object
+            This rank's object.
+        control : bool, default True
+            Count one control message in ``stats`` (the default: its callers in the allreducers
+            exchange the reports of a cross-rank consistency check); False for bookkeeping.
+
+        Returns
+        -------
+        list
+            P objects, rank r's at index r, on every rank.
+        """
+        return self._object_call("allgather", control, obj)
+
+    def bcast_object(self, obj, root: int, *, control: bool = False):
+        """Broadcast a picklable Python object from ``root``.
+
+        Parameters
+        ----------
+        obj : object
+            The object on ``root``; ignored on the other ranks.
+        root : int
+            The sending rank.
+        control : bool, default False
+            Count one control message in ``stats``.
+
+        Returns
+        -------
+        object
+            Root's object, on every rank (a copy on the others).
+        """
+        return self._object_call("bcast", control, obj, root=root)
+
+    def gather_object(self, obj, root: int, *, control: bool = False) -> list | None:
+        """Gather one picklable Python object per rank on ``root``.
+
+        Parameters
+        ----------
+        obj : object
+            This rank's object.
+        root : int
+            The receiving rank.
+        control : bool, default False
+            Count one control message in ``stats``.
+
+        Returns
+        -------
+        list or None
+            On ``root``, P objects (rank r's at index r); None on the other ranks.
+        """
+        return self._object_call("gather", control, obj, root=root)
+
+    def scatter_object(self, objs, root: int, *, control: bool = False):
+        """Send ``objs[r]`` from ``root`` to each rank r.
+
+        Parameters
+        ----------
+        objs : sequence of P objects or None
+            On ``root``, one picklable object per rank; ignored on the other ranks.
+        root : int
+            The sending rank.
+        control : bool, default False
+            Count one control message in ``stats``.
+
+        Returns
+        -------
+        object
+            This rank's object.
+        """
+        return self._object_call("scatter", control, objs, root=root)
+
+    def send_object(self, obj, dest: int, tag: int = 0, *, control: bool = False) -> None:
+        """Send a picklable Python object to ``dest`` (blocking; :meth:`recv_object` receives
+        it).
+
+        Parameters
+        ----------
+        obj : object
+            What to send.
+        dest : int
+            The receiving rank.
+        tag : int, default 0
+            The message tag, matched by the receive.
+        control : bool, default False
+            Count one control message in ``stats``.
+        """
+        self._object_call("send", control, obj, dest=dest, tag=tag)
+
+    def recv_object(self, source: int, tag: int = 0, *, control: bool = False):
+        """Receive the object :meth:`send_object` sent from ``source`` with ``tag``.
+
+        Parameters
+        ----------
+        source : int
+            The sending rank.
+        tag : int, default 0
+            The message tag.
+        control : bool, default False
+            Count one control message in ``stats``.
+
+        Returns
+        -------
+        object
+        """
+        return self._object_call("recv", control, source=source, tag=tag)
 
 
 def name_hash(name: str) -> int:
@@ -937,4 +1105,7 @@ def _abort(comm, code: int) -> None:
     report = f"spardl: rank {rank} failed; aborting every rank\n" + traceback.format_exc()
     os.write(2, report.encode(errors="replace"))
     time.sleep(0.5)
-    (comm.mpi if isinstance(comm, Comm) else comm).Abort(code)
+    if isinstance(comm, Comm):
+        comm.abort(code)
+    else:
+        comm.Abort(code)

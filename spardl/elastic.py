@@ -495,9 +495,9 @@ def gather_state(obj, root: int | None = 0) -> dict | None:
     comm = _control(obj)
     state = _local_state(obj)
     if root is None:
-        states = comm.mpi.allgather(state)
+        states = comm.allgather_object(state, control=False)
     else:
-        states = comm.mpi.gather(state, root=root)
+        states = comm.gather_object(state, root)
         if comm.rank != root:
             return None
     return {**_header(obj, comm.size), "states": list(states)}
@@ -556,7 +556,7 @@ def load_gathered_state(obj, gathered: dict | None, root: int | None = 0) -> Non
             except (TypeError, ValueError) as e:
                 parts = [("error", f"{type(e).__name__}: {e}")] * Pn
                 err = e
-        P, mine = comm.mpi.scatter(parts, root=root)
+        P, mine = comm.scatter_object(parts, root)
         if P == "error" and err is None:
             err = ValueError(f"rank {root} rejected the gathered state ({mine})")
     _load(obj, mine if err is None else {}, P if err is None else 1, err)
@@ -677,7 +677,7 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
         for r in range(comm.size):
             if r == root:
                 continue
-            st = comm.mpi.recv(source=r, tag=_TAG)
+            st = comm.recv_object(r, _TAG)
             if err is None:
                 try:
                     _write_state(zf, r, st)
@@ -697,10 +697,10 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
             except OSError:
                 pass
     else:
-        comm.mpi.send(state, dest=root, tag=_TAG)
+        comm.send_object(state, root, _TAG)
     del state
     report = None if err is None else f"{type(err).__name__}: {err}"
-    reports = comm.mpi.allgather(report)
+    reports = comm.allgather_object(report, control=False)
     if err is not None:
         raise OSError(f"cannot write the checkpoint {path} ({report})") from err
     bad = [(r, m) for r, m in enumerate(reports) if m is not None]

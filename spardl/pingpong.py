@@ -58,7 +58,16 @@ def pingpong(comm, sizes=DEFAULT_SIZES, repeat: int | None = None, warmup: int =
     """
     from .comm import Comm
 
-    c = comm if isinstance(comm, Comm) else Comm(comm)
+    if isinstance(comm, Comm):
+        return _pingpong(comm, sizes, repeat, warmup)
+    c = Comm(comm)
+    try:
+        return _pingpong(c, sizes, repeat, warmup)
+    finally:
+        c.free()
+
+
+def _pingpong(c, sizes, repeat, warmup):
     sizes = [int(s) for s in sizes]
     if c.size < 2:
         raise ValueError(f"pingpong needs at least 2 ranks (run under mpiexec -n 2), got {c.size}")
@@ -69,7 +78,7 @@ def pingpong(comm, sizes=DEFAULT_SIZES, repeat: int | None = None, warmup: int =
         buf = np.zeros(size, dtype=np.uint8)
         times = []
         for i in range(warmup + _repeats(size, repeat)):
-            c.mpi.Barrier()
+            c.barrier()
             if c.rank == 0:
                 t0 = time.perf_counter()
                 c.send_bytes(buf, 1)
@@ -82,7 +91,7 @@ def pingpong(comm, sizes=DEFAULT_SIZES, repeat: int | None = None, warmup: int =
         t = float(np.median(times)) if times else 0.0
         out.append((size, t))
     # Rank 0 measured; every rank returns its numbers.
-    return [(int(s), float(t)) for s, t in c.mpi.bcast(out, root=0)]
+    return [(int(s), float(t)) for s, t in c.bcast_object(out, root=0)]
 
 
 def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:

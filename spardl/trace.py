@@ -159,14 +159,20 @@ def gather_traces(comm, trace) -> list[list[tuple]]:
     TypeError
         If ``comm`` is not a communicator.
     """
+    from .comm import Comm
+
     comm = getattr(comm, "comm", comm)  # an allreducer
-    mpi = getattr(comm, "mpi", comm)  # a spardl Comm wraps an mpi4py communicator
-    if not hasattr(mpi, "allgather"):
-        raise TypeError(f"comm must be an mpi4py or spardl communicator, got {type(comm).__name__}")
+    if not isinstance(comm, Comm):
+        try:
+            comm = Comm(comm, dup=False)  # an mpi4py communicator, wrapped as it is
+        except TypeError:
+            raise TypeError(
+                f"comm must be an mpi4py or spardl communicator, got {type(comm).__name__}"
+            ) from None
     records = trace.records if isinstance(trace, Trace) else list(trace)
-    # The object all-gather of the wrapped communicator (not counted in the allreducer's
-    # stats: a trace is metadata, not a message of the algorithm).
-    return [[tuple(r) for r in recs] for recs in mpi.allgather([tuple(r) for r in records])]
+    # Not counted in the allreducer's stats: a trace is metadata, not a message of the algorithm.
+    gathered = comm.allgather_object([tuple(r) for r in records], control=False)
+    return [[tuple(r) for r in recs] for recs in gathered]
 
 
 def save_traces(path, traces, meta: dict | None = None) -> Path:

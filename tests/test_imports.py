@@ -194,3 +194,85 @@ def test_no_module_of_ours_is_imported_by_a_string():
             ):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.args[0].value}")
     assert not bad, "\n".join(bad)
+
+
+# The modules that import mpi4py besides spardl.comm, why, and the only names of mpi4py each may
+# use: none of them communicates; each names the world communicator at start-up, reports
+# versions, or reads the thread level MPI was initialised with.
+MPI_AT_START_UP = {
+    "spardl.cli.common": (
+        "the world communicator every CLI command runs its collectives on",
+        {"COMM_WORLD"},
+    ),
+    "spardl.cli.info": (
+        "the versions of mpi4py and of the MPI library (spardl info)",
+        {"__version__", "Get_library_version", "get_vendor", "Get_version"},
+    ),
+    "spardl.torch": (
+        "MPI.COMM_WORLD, the default communicator of init_process_group_from_mpi, and the thread "
+        "level (a communication thread needs THREAD_SERIALIZED)",
+        {"COMM_WORLD", "Query_thread", "THREAD_SINGLE", "THREAD_FUNNELED", "THREAD_SERIALIZED"},
+    ),
+}
+
+
+def _mpi4py_uses(module: str) -> tuple[list[int], set[str]]:
+    """(lines importing mpi4py, attribute names taken from the names bound to mpi4py)."""
+    tree = ast.parse(MODULES[module].read_text())
+    lines, bound = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "mpi4py":
+                    lines.append(node.lineno)
+                    bound.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mpi4py":
+            lines.append(node.lineno)
+            bound.update(alias.asname or alias.name for alias in node.names)
+    used = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in bound
+    }
+    return lines, used
+
+
+def test_only_spardl_comm_communicates_through_mpi4py():
+    """Every message goes through :class:`spardl.comm.Comm` (its accounting, clock and GPU
+    policy): no other module reaches the communicator a Comm wraps (``.mpi``, ``._mpi``,
+    ``._clocked``, also by ``getattr``) or imports mpi4py, except to name the world communicator
+    at start-up or report versions (MPI_AT_START_UP)."""
+    hidden = {"mpi", "_mpi", "_clocked"}
+    bad = []
+    for module, path in MODULES.items():
+        if module == "spardl.comm":
+            continue
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in hidden:
+                bad.append(f"{where}:{node.lineno}: .{node.attr}")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in hidden
+            ):
+                bad.append(f"{where}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+        lines, used = _mpi4py_uses(module)
+        if lines and module not in MPI_AT_START_UP:
+            bad.append(f"{where}:{lines[0]}: imports mpi4py")
+        elif lines and not used <= MPI_AT_START_UP[module][1]:
+            bad.append(f"{where}: uses mpi4py's {sorted(used - MPI_AT_START_UP[module][1])}")
+    assert not bad, "\n".join(bad)
+    missing = [m for m in MPI_AT_START_UP if not _mpi4py_uses(m)[0]]
+    assert not missing, f"no longer imports mpi4py, remove from MPI_AT_START_UP: {missing}"
+
+
+def test_the_mpi4py_check_sees_uses_and_imports():
+    assert _mpi4py_uses("spardl.comm")[0] and "Status" in _mpi4py_uses("spardl.comm")[1]
+    lines, used = _mpi4py_uses("spardl.cli.info")
+    assert lines and "Get_library_version" in used and "__version__" in used

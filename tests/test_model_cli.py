@@ -150,3 +150,20 @@ def test_fit_alpha_beta_recovers_a_line():
     assert alpha == pytest.approx(3e-6, rel=1e-6) and beta == pytest.approx(2e-10, rel=1e-6)
     with pytest.raises(ValueError, match="distinct"):
         fit_alpha_beta([8, 8], [1e-6, 1e-6])
+
+
+def test_pingpong_needs_two_ranks_given_an_mpi4py_communicator_or_a_comm():
+    import numpy as np
+    from mpi4py import MPI
+
+    from spardl.comm import Comm
+    from spardl.pingpong import pingpong
+
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        pingpong(MPI.COMM_SELF, [8])
+    c = Comm(MPI.COMM_SELF)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        pingpong(c, [8])
+    assert c.stats["messages"] == 0  # a Comm given is used as it is, and left usable
+    assert c.allreduce(np.ones(2)).tolist() == [1.0, 1.0]
+    c.free()

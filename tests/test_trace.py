@@ -152,8 +152,9 @@ def test_timed_recording_on_one_process():
         other = Comm(c)  # wraps the real communicator, not the timing proxy
         out = c.allreduce(np.arange(3.0))
         assert t.mpi_calls == 1 and t.mpi_seconds > 0
-    assert out.tolist() == [0.0, 1.0, 2.0] and len(t) == 1
-    assert isinstance(other.mpi, MPI.Intracomm) and not c.tracing
+        other.allreduce(np.arange(3.0))  # its own accounting: not on this clock
+        assert t.mpi_calls == 1
+    assert out.tolist() == [0.0, 1.0, 2.0] and len(t) == 1 and not c.tracing
     other.free()
     c.free()
 
@@ -165,6 +166,22 @@ def test_load_rejects_other_files(tmp_path):
     p.write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="spardl-trace"):
         tr.load_traces(p)
+
+
+def test_gather_traces_takes_an_mpi4py_or_spardl_communicator():
+    from mpi4py import MPI
+
+    import spardl.trace as tr
+    from spardl.comm import Comm
+
+    recs = [(0, "srs", "p2p", 0, 8)]
+    assert tr.gather_traces(MPI.COMM_SELF, recs) == [recs]
+    c = Comm(MPI.COMM_SELF)
+    assert tr.gather_traces(c, tr.Trace(rank=0, size=1, records=recs)) == [recs]
+    assert c.stats["control_messages"] == 0  # metadata: not counted
+    c.free()
+    with pytest.raises(TypeError, match="mpi4py or spardl communicator, got object"):
+        tr.gather_traces(object(), recs)
 
 
 if __name__ == "__main__":

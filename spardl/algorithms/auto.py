@@ -26,13 +26,13 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import _arrays as A
 from .. import cost_model
 from .._checks import check_float, check_int
 from ..comm import Comm, wire_index_dtype
-from .base import Allreducer, Reduced, _work_dtype
+from ..dtypes import work_dtype
+from .base import Allreducer, Reduced
 from .dense import Dense
 from .gaussiank import Gaussiank
 from .gtopk import GTopk
@@ -262,7 +262,7 @@ class Auto(Allreducer):
             return 0.0, 0.0, "one rank: no messages"
         from ..pingpong import fit_alpha_beta, pingpong
 
-        ctl = Comm(self.comm._mpi)  # the ping-pong's messages stay out of the counters
+        ctl = Comm(self.comm)  # a duplicate: the ping-pong's messages stay out of the counters
         try:
             rows = pingpong(ctl, PINGPONG_SIZES, repeat=PINGPONG_REPEAT, warmup=1)
         finally:
@@ -285,8 +285,7 @@ class Auto(Allreducer):
                 got = (float(a), float(b), None)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 got = (0.0, 0.0, f"{type(e).__name__}: {e}")
-        self.comm.stats["control_messages"] += 1
-        alpha, beta, err = self.comm.mpi.bcast(got, root=0)
+        alpha, beta, err = self.comm.bcast_object(got, root=0, control=True)
         if err is not None:
             raise ValueError(
                 f"fit: cannot read alpha and beta from {os.fspath(path)!r} on rank 0 ({err})"
@@ -342,20 +341,12 @@ class Auto(Allreducer):
     def __call__(self, grad):
         """As :meth:`Allreducer.__call__`, with the current candidate's step (module docstring);
         after an applied step, a trial switch or a decision may follow (collective)."""
-        acct = self.comm._acct
-        own = acct.clock is None
-        if own:
-            acct.clock = [0.0, 0.0, 0]  # seconds inside MPI calls (Comm.mpi's timing proxy)
-        clock = acct.clock
-        before, inside = self.step, clock[0]
-        t0 = time.perf_counter()
-        try:
+        before = self.step
+        with self.comm.mpi_clock() as spent:  # the seconds inside MPI calls, as they end
+            t0 = time.perf_counter()
             out = super().__call__(grad)
-        finally:
             wall = time.perf_counter() - t0
-            inside = clock[0] - inside
-            if own:
-                acct.clock = None
+        inside = spent[0]
         if self.step != before:  # applied, on every rank alike
             i = self._choice
             if not self._dense_now():
@@ -379,7 +370,7 @@ class Auto(Allreducer):
         if applied:
             if self._dtype is None:
                 self._dtype = ar._dtype
-                self._residual = A.zeros(self.n, _work_dtype(ar._dtype), A.is_device(grad))
+                self._residual = A.zeros(self.n, work_dtype(ar._dtype), A.is_device(grad))
             self.step += 1
         return out, applied
 
@@ -423,7 +414,7 @@ class Auto(Allreducer):
     def _word_bytes(self) -> tuple[float, float]:
         """Bytes per word with ``wire="coo"``: of the sparse candidates (an index and a value
         per pair) and of dense (a value), in the work dtype (float32 before the first step)."""
-        work = _work_dtype(np.dtype(np.float32) if self._dtype is None else self._dtype)
+        work = work_dtype(np.dtype(np.float32) if self._dtype is None else self._dtype)
         sparse = (np.dtype(wire_index_dtype(self.n)).itemsize + work.itemsize) / 2
         return sparse, float(work.itemsize)
 
@@ -489,17 +480,16 @@ class Auto(Allreducer):
         candidate predicted, and rank 0's choice broadcast. With ``incumbent`` (a decision
         after the first) the current candidate keeps its place unless another one is predicted
         faster by the ``hysteresis`` margin."""
-        mine = np.array(self._estimates(), dtype=np.float64)  # rows: local, wall, MPI
-        agreed = np.empty_like(mine)
-        self.comm.mpi.Allreduce(mine, agreed, op=MPI.MAX)
+        # Rows: local, wall, MPI; the maximum over ranks, exact (one control message).
+        every = self.comm.allgather_object(self._estimates(), control=True)
+        agreed = np.max(np.array(every, dtype=np.float64), axis=0)
         pred = self.predictions(agreed.tolist())
         times = [p["predicted"] for p in pred.values()]
         best = min(range(len(times)), key=lambda j: (times[j], j))
         cur, choice = self._choice, best
         if incumbent and times[best] >= (1 - self.hysteresis) * times[cur]:
             choice = cur
-        choice = int(self.comm.mpi.bcast(choice, root=0))
-        self.comm.stats["control_messages"] += 2
+        choice = int(self.comm.bcast_object(choice, root=0, control=True))
         self._predicted = pred
         self._decisions += 1
         self._decided_at = self.step

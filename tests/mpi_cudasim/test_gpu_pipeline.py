@@ -218,6 +218,21 @@ def test_comm_device_messages(comm):
     assert A.to_host(b).tolist() == [0, 0, 0]
     got = c.sendrecv_bytes(cuda.to_device(np.full(5, r, np.uint8)), (r + 1) % P, (r - 1) % P, 8)
     assert A.is_device(got) and A.to_host(got).tolist() == [(r - 1) % P] * 5
+    x = cuda.to_device(mine)
+    total = c.allreduce(x)
+    assert (
+        A.is_device(total)
+        and A.to_host(total).tolist() == (P * np.arange(4) + 5 * P * (P - 1)).tolist()
+    )
+    assert A.to_host(x).tolist() == mine.tolist()  # the input is left as it was
+    if P > 1:  # a one-way message around the ring: rank 0 sends first, the others pass it on
+        if r == 0:
+            c.send_bytes(cuda.to_device(np.full(3, 7, np.uint8)), 1)
+            back = c.recv_bytes(P - 1, 8, device=True)
+        else:
+            back = c.recv_bytes(r - 1, 8, device=True)
+            c.send_bytes(back, (r + 1) % P)
+        assert A.is_device(back) and A.to_host(back).tolist() == [7, 7, 7]
     c.free()
 
 

@@ -1,0 +1,71 @@
+"""``spardl.comm.Comm``'s object collectives, barrier and MPI clock: what each returns on every
+rank, that they count in ``stats`` only with ``control=True``, and that the clock sees their calls.
+The reference is mpi4py's own object collectives on the raw world communicator.
+
+Runs on every rank under `mpiexec -n P` (tests/test_mpi.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spardl.comm import Comm
+
+
+def _counters(c: Comm) -> tuple:
+    s = c.stats
+    return s["messages"], s["bytes_sent"], s["bytes_received"], s["control_messages"]
+
+
+def test_object_collectives_match_mpi4py_and_count_only_as_control(comm):
+    c = Comm(comm)
+    P, r = c.size, c.rank
+    root = P - 1
+    mine = {"rank": r, "x": np.arange(r + 1)}
+    before = _counters(c)
+    c.barrier()
+    assert c.allgather_object(r, control=False) == comm.allgather(r) == list(range(P))
+    everyone = c.allgather_object(mine, control=False)
+    assert [o["rank"] for o in everyone] == list(range(P))
+    assert [o["x"].tolist() for o in everyone] == [list(range(q + 1)) for q in range(P)]
+    got, ref = c.gather_object(r * 10, root), comm.gather(r * 10, root=root)
+    assert got == ref == ([10 * q for q in range(P)] if r == root else None)
+    assert c.bcast_object(("from", r), root) == ("from", root)
+    sent = [("to", q) for q in range(P)] if r == root else None
+    assert c.scatter_object(sent, root) == ("to", r)
+    if P > 1:  # a token around the ring, from rank 0 and back to it
+        if r == 0:
+            c.send_object([0], 1, tag=7)
+            assert c.recv_object(P - 1, tag=7) == list(range(P))
+        else:
+            c.send_object(c.recv_object(r - 1, tag=7) + [r], (r + 1) % P, tag=7)
+    assert _counters(c) == before  # bookkeeping is not the algorithm's traffic
+    c.allgather_object(None)  # the default: a consistency check's reports
+    c.bcast_object(None, 0, control=True)
+    c.barrier(control=True)
+    assert _counters(c) == (*before[:3], before[3] + 3)
+    c.free()
+
+
+def test_mpi_clock_counts_the_calls_of_its_block(comm):
+    c = Comm(comm)
+    sub = c.split(0, c.rank)  # shares c's accounting, so its calls are clocked too
+    with c.mpi_clock() as spent:
+        c.barrier()
+        c.allgather_object(1, control=False)
+        c.allreduce(np.ones(3))
+        sub.barrier()
+    assert spent[2] == 4 and spent[0] > 0 and spent[1] >= 0
+    # Inside a timed trace, the trace's clock goes on counting; the block gets its own share.
+    outer = c.start_trace(timed=True)
+    c.barrier()
+    with c.mpi_clock() as inner:
+        c.bcast_object(0, 0)
+    c.barrier()
+    c.stop_trace()
+    assert inner[2] == 1 and outer[2] == 3
+    with c.mpi_clock() as idle:
+        pass
+    assert idle == [0.0, 0.0, 0]
+    sub.free()
+    c.free()
