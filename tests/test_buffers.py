@@ -7,6 +7,7 @@ import pytest
 from mpi4py import MPI
 
 import spardl
+from spardl._arrays import BufferPool
 
 SPARSE = sorted(set(spardl.ALGORITHMS) - {"dense"})
 
@@ -24,11 +25,13 @@ def test_buffers_are_reused_and_results_unchanged(algorithm):
     b = spardl.make(algorithm, MPI.COMM_SELF, 4096, density=0.05)
     reused = 0
     for step in range(6):
-        spare = None if b._spare is None else weakref.ref(b._spare)  # not a reference
+        spares = [weakref.ref(s) for s in b._spares]  # not references
         out_a, out_b = a(_grad(step)), b(_grad(step))
         kept.append(a.residual)  # holds every old residual of a: a can never reuse one
-        buf = None if spare is None else spare()
-        reused += buf is not None and (buf is b.residual or buf is b._spare)
+        # A spare that is still alive after the step (the pool keeps one buffer only) was used.
+        alive = [w() for w in spares if w() is not None]
+        reused += any(buf is b.residual or any(buf is s for s in b._spares) for buf in alive)
+        del alive
         np.testing.assert_array_equal(a.residual, b.residual)
         np.testing.assert_array_equal(out_a.indices, out_b.indices)
         np.testing.assert_array_equal(out_a.values, out_b.values)
@@ -75,3 +78,24 @@ def test_selecting_while_accumulating_changes_nothing(algorithm, options, monkey
         assert out_f.values.tobytes() == out_a.values.tobytes()
         assert fused.residual.tobytes() == apart.residual.tobytes()
     assert len(calls) == 4
+
+
+def test_buffer_pool_hands_out_only_buffers_nothing_else_holds():
+    pool = BufferPool(2)
+    a, b = np.zeros(8, np.float32), np.zeros(8, np.float32)
+    pool.keep(a)
+    pool.keep(b)
+    pool.keep(b)  # kept once
+    assert len(pool) == 2
+    assert pool.take(8, np.float32) is None  # a and b are still held here
+    a_id = id(a)
+    del a
+    assert id(pool.take(8, np.float32)) == a_id
+    assert pool.take(8, np.float64) is None and pool.take(9, np.float32) is None
+    c = np.zeros(8, np.float32)
+    pool.keep(c)  # full: the oldest (a's buffer) is given up
+    assert len(pool) == 2 and pool.take(8, np.float32) is None  # b and c are held
+    del b
+    assert pool.take(8, np.float32) is not None
+    pool.clear()
+    assert len(pool) == 0 and pool.take(8, np.float32) is None

@@ -15,7 +15,6 @@ to MPI (:mod:`spardl.comm`). The result is bit-identical to the same call on hos
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,7 +197,8 @@ class Allreducer:
         self._calls = 0
         self._dtype = None
         self._residual = None
-        self._spare = None
+        # The buffer X = g + E is written into: an older residual's once nothing else holds it.
+        self._spares = A.BufferPool(1)
         self._pre = None  # selections made while accumulating (_preselected)
         stats = self.comm.stats
         stats.setdefault("skipped_steps", 0)
@@ -412,16 +412,6 @@ class Allreducer:
             return None
         return pre
 
-    def _take_spare(self, like):
-        """The spare host buffer (:attr:`_spare`) if it matches ``like`` and nothing but this
-        allreducer refers to it, else None; the spare is given up either way."""
-        s, self._spare = self._spare, None
-        if s is None or A.is_device(s) or A.is_device(like) or s is like:
-            return None
-        if s.shape != like.shape or s.dtype != like.dtype:
-            return None
-        return s if _refs(s) <= _UNHELD else None
-
     def _rollback(self, saved) -> None:
         self.step, self._calls, self._dtype, self._residual, extra = saved
         self._load_extra_state(extra)
@@ -461,32 +451,10 @@ class Allreducer:
         (False: dropped by ``nonfinite="skip"``)."""
         g = self._accept(grad)
         device = A.is_device(g)
-        if self._dtype is None:
-            self._dtype = np.dtype(g.dtype)
-            self._residual = A.zeros(self.n, _work_dtype(self._dtype), device)
-        elif A.is_device(self._residual) != device:
-            # The gradient moved (or a host checkpoint was loaded): one copy of E, once.
-            self._residual = A.like(self._residual, device)
-        if self.residual_mode != "none":
-            # X = g + E_old in one pass, into the buffer of an older residual when nothing else
-            # holds it: a fresh n-length buffer costs its page faults on every step (about half
-            # of SparDL's local work at n = 25 M, measured).
-            spare = self._take_spare(self._residual)
-            plan = self._first_selection() if self.device_resident or not device else None
-            if plan is None:
-                x = A.accumulate(g, self._residual, out=spare)
-            else:
-                # The step's first selection rides on the same pass (K.accumulate_topk).
-                x = self._accumulate_selecting(g, spare, *plan)
-        else:
-            x = A.cast(g, self._residual.dtype, copy=True)
+        self._residual_for(g, device)
+        x = self._accumulate(g, device)
         old_residual = self._residual
-        if device and not self.device_resident:
-            red = self._reduce(A.to_host(x))  # staged: one copy in ...
-            red = Reduced(*(A.to_device(a) for a in (red.indices, red.values, red.residual)))
-        else:
-            red = self._reduce(x)
-        stats = self.comm.stats
+        red = self._reduce_staged(x, device)
         self.comm.next_step()
         if self.nonfinite != "propagate" and not A.all_finite(red.values):
             return self._not_applied(device), False
@@ -494,18 +462,52 @@ class Allreducer:
             self._residual = red.residual
         # The buffer no longer in use, for the next step's X (taken only if nothing refers to it
         # by then: a caller that kept ``residual`` or a view of it keeps it intact).
-        self._spare = old_residual if red.residual is x else x
+        self._spares.keep(old_residual if red.residual is x else x)
         self.step += 1
-        stats["steps"] += 1
-        values = red.values
-        if self._dtype != values.dtype and A.all_finite(values):  # float16 from float32 sums
-            values = self._round_keeping_remainder(red.indices, values)
+        self.comm.stats["steps"] += 1
+        return self._output(red.indices, red.values), True
+
+    def _residual_for(self, g, device) -> None:
+        """E_old where g lives: zeros on the first call (fixing the dtype), else moved once if
+        the gradient changed sides (or a host checkpoint was loaded)."""
+        if self._dtype is None:
+            self._dtype = np.dtype(g.dtype)
+            self._residual = A.zeros(self.n, _work_dtype(self._dtype), device)
+        elif A.is_device(self._residual) != device:
+            self._residual = A.like(self._residual, device)
+
+    def _accumulate(self, g, device):
+        """X = g + E_old (g alone, in the work dtype, without error feedback), in one pass."""
+        if self.residual_mode == "none":
+            return A.cast(g, self._residual.dtype, copy=True)
+        # Into the buffer of an older residual when nothing else holds it: a fresh n-length
+        # buffer costs its page faults on every step (about half of SparDL's local work at
+        # n = 25 M, measured). Host buffers only: a device step allocates on the device.
+        spare = None if device else self._spares.take(self.n, self._residual.dtype)
+        plan = self._first_selection() if self.device_resident or not device else None
+        if plan is None:
+            return A.accumulate(g, self._residual, out=spare)
+        # The step's first selection rides on the same pass (K.accumulate_topk).
+        return self._accumulate_selecting(g, spare, *plan)
+
+    def _reduce_staged(self, x, device) -> Reduced:
+        """:meth:`_reduce` of X, staged through the host (one copy each way) for a device X
+        when the algorithm is not :attr:`device_resident`."""
+        if device and not self.device_resident:
+            red = self._reduce(A.to_host(x))
+            return Reduced(*(A.to_device(a) for a in (red.indices, red.values, red.residual)))
+        return self._reduce(x)
+
+    def _output(self, indices, sums) -> SparseResult:
+        """The result from the reduced sums: divided by P for the mean and cast to the
+        gradient's dtype (float16: rounded keeping the remainder), explicit zeros dropped."""
+        if self._dtype != sums.dtype and A.all_finite(sums):  # float16 from float32 sums
+            values = self._round_keeping_remainder(indices, sums)
         else:
-            if self.op == "mean" and self.P > 1:
-                values = A.divide(values, self.P)
+            values = A.divide(sums, self.P) if self.op == "mean" and self.P > 1 else sums
             values = A.cast(values, self._dtype, copy=False)
-        indices, values = _without_zeros(red.indices, values)
-        return SparseResult(indices, values, self.n), True
+        indices, values = _without_zeros(indices, values)
+        return SparseResult(indices, values, self.n)
 
     def _not_applied(self, device) -> SparseResult:
         """A reduced gradient with NaN or Inf: raise :class:`NonFiniteError` (``"raise"``) or
@@ -645,10 +647,12 @@ class Allreducer:
         )
 
     def _restore(self, saved) -> None:
-        self._rollback(saved[:5])
+        """Put back a :meth:`_snapshot`: the density first, then the rest. What derives from
+        ρ (block budgets, h, a selector's k) must be the snapshot's before the saved
+        thresholds are loaded, which are checked against (and keyed by) those budgets."""
         if saved[5] != self.density:
             self._apply_density(saved[5])
-            self._load_extra_state(saved[4])
+        self._rollback(saved[:5])
 
     def _load_local(self, state) -> None:
         """:meth:`load_state_dict` on this rank alone (no messages); all or nothing here."""
@@ -699,21 +703,6 @@ class Allreducer:
             f"{type(self).__name__}(P={self.P}, n={getattr(self, 'n', '?')}, "
             f"density={getattr(self, 'density', '?')}, op={getattr(self, 'op', '?')!r})"
         )
-
-
-def _refs(obj) -> int:
-    """``sys.getrefcount`` of an object held by one local variable of the caller."""
-    return sys.getrefcount(obj)
-
-
-def _unheld() -> int:
-    obj = np.empty(0)
-    return _refs(obj)
-
-
-#: What :func:`_refs` reports for an array that only one local variable holds (measured at
-#: import, so it stays right on any CPython version).
-_UNHELD = _unheld()
 
 
 def collective_check(comm: Comm, err, signature, described) -> None:

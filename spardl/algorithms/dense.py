@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import numba
 import numpy as np
 
@@ -35,17 +33,6 @@ def _count_nonfinite(x):
 
 #: Result buffers a dense allreducer keeps (per dtype in use).
 _POOL = 2
-
-
-def _refs(pool: list, i: int) -> int:
-    """``sys.getrefcount`` of ``pool[i]`` as seen from here (the list, the local, the call)."""
-    buf = pool[i]
-    return sys.getrefcount(buf)
-
-
-#: What :func:`_refs` counts for a buffer that only the pool holds (measured, not assumed, so
-#: that it stays right on any CPython version).
-_UNHELD = _refs([np.empty(0)], 0)
 
 
 class Dense(Allreducer):
@@ -87,7 +74,7 @@ class Dense(Allreducer):
     rounding_feedback = False
 
     def _setup(self) -> None:
-        self._pool: list = []  # host result buffers, reused once nothing else holds them
+        self._pool = A.BufferPool(_POOL)  # host result buffers, reused once nothing holds them
         self._work = None  # float16 gradients: the float32 buffer they are reduced in
         self._device = False
 
@@ -137,15 +124,13 @@ class Dense(Allreducer):
     def _buffer(self, dtype):
         """A host array of n ``dtype`` for this step's result: a pooled one that nothing outside
         the pool refers to any more (no result, view or tensor of it is alive), else a new one,
-        kept if the pool has room. Reusing memory spares the page faults of a fresh 4n-byte
+        kept in place of the oldest. Reusing memory spares the page faults of a fresh 4n-byte
         buffer on every step (tens of ms for 100 MB); two buffers cover a caller that keeps
         the previous result while it makes the next one."""
-        for i in range(len(self._pool)):
-            if self._pool[i].dtype == dtype and _refs(self._pool, i) <= _UNHELD:
-                return self._pool[i]
-        buf = np.empty(self.n, dtype)
-        if len(self._pool) < _POOL:
-            self._pool.append(buf)
+        buf = self._pool.take(self.n, dtype)
+        if buf is None:
+            buf = np.empty(self.n, dtype)
+            self._pool.keep(buf)
         return buf
 
     def _in_grad_dtype(self, total, finite):

@@ -158,3 +158,45 @@ def test_density_one_is_the_exact_mean_on_every_call(comm, algorithm, opts, dtyp
         )
         if opts["residual"] != "none":
             assert np.max(np.abs(ar.residual), initial=0.0) <= tol * scale, f"step {step}"
+
+
+STATEFUL = [(a, o) for a, o in CONFIGS if a in ("spardl", "oktopk") and o["residual"] == "global"]
+STATEFUL_IDS = [f"{a}-" + "-".join(f"{k}={v}" for k, v in o.items()) for a, o in STATEFUL]
+
+
+def _warm(comm, algorithm, opts, density=0.1, steps=3):
+    ar = spardl.make(algorithm, comm, N, density=density, **opts)
+    for step in range(steps):
+        ar(grads_for(comm, N, np.float32, seed=step)[comm.rank])
+    return ar
+
+
+@pytest.mark.parametrize(("algorithm", "opts"), STATEFUL, ids=STATEFUL_IDS)
+def test_undoing_a_rejected_step_at_a_new_density_restores_the_state(comm, algorithm, opts):
+    """A caller that changes ρ for a step and undoes the change when the step is rejected
+    (``_snapshot``/``_restore``, as the torch integration and elastic resizing do) gets the
+    state back exactly, h and thresholds included: ρ's budgets come back before the saved
+    thresholds, which are checked against them."""
+    a, b = _warm(comm, algorithm, opts), _warm(comm, algorithm, opts)
+    before, saved = a.state_dict(), a._snapshot()
+    a.set_density(0.3)
+    _fail(comm, a, "nan_raises", 3)
+    a._restore(saved)
+    assert_same_state(before, a.state_dict())
+    g = grads_for(comm, N, np.float32, seed=3)[comm.rank]
+    oa, ob = a(g), b(g)
+    assert oa.values.tobytes() == ob.values.tobytes()
+    assert_same_state(b.state_dict(), a.state_dict())
+
+
+@pytest.mark.parametrize(("algorithm", "opts"), STATEFUL, ids=STATEFUL_IDS)
+def test_a_rejected_load_at_another_density_leaves_the_state_unchanged(comm, algorithm, opts):
+    """load_state_dict of a state saved at another ρ whose algorithm part is malformed raises
+    the malformed-state error on every rank and leaves everything as it was."""
+    a = _warm(comm, algorithm, opts)
+    state = _warm(comm, algorithm, opts, density=0.3, steps=1).state_dict()
+    state["extra"] = {**state["extra"], "selector": {"kind": "none of them"}}
+    before = a.state_dict()
+    with pytest.raises(ValueError, match="malformed"):
+        a.load_state_dict(state)
+    assert_same_state(before, a.state_dict())
