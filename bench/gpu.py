@@ -9,6 +9,10 @@ and is never timed). Writes a JSON file and prints one table with the ratios beh
   (bandwidth = bytes of x read once / time; copy = bytes read + written / time);
 * ``topk_abs`` takes <= 1.0x the time of ``torch.topk(x.abs(), k, sorted=False)``.
 
+Two rows go past the kernels: ``spardl_step`` (one SparDL step with GPU buffers) and
+``hook_step`` (a DDP step whose sparse hook reduces CUDA buckets on the device, synchronous and
+overlapped; a one-rank NCCL process group).
+
 Usage (see docs/performance.md, "GPU kernels")::
 
     python bench/gpu.py results/gpu.json
@@ -36,6 +40,7 @@ KERNELS = [
     "balanced_bounds",
     "block_offsets",
     "spardl_step",
+    "hook_step",
 ]
 
 
@@ -164,106 +169,128 @@ def run(args):
     }
 
 
+class _Size:
+    """One vector length's shared inputs: x (gradient-like, on the GPU), its Numba view, k, and
+    the rows' plumbing (timer, row writer, the time budget)."""
+
+    def __init__(self, n, args, timer, row, notes, t_start):
+        import torch
+        from numba import cuda
+
+        self.n, self.args, self.timer, self.row = n, args, timer, row
+        self.notes, self.t_start = notes, t_start
+        self.dev = torch.device("cuda")
+        self.k = max(1, int(args.density * n))
+        gen = torch.Generator(device=self.dev).manual_seed(0)
+        # gradient-like: normal values with a heavy tail of larger magnitudes
+        self.x = torch.randn(n, device=self.dev, generator=gen) * torch.exp(
+            torch.randn(n, device=self.dev, generator=gen)
+        )
+        self.xd = cuda.as_cuda_array(self.x)
+        self.bytes_x = self.x.element_size() * n
+        self.topk = None  # (indices, values) of topk_abs, reused by the sparse rows
+
+    def want(self, name) -> bool:
+        if name not in self.args.kernels:
+            return False
+        if time.monotonic() - self.t_start > self.args.budget_s:
+            self.notes.append(
+                f"n={self.n} {name}: skipped, time budget of {self.args.budget_s} s spent"
+            )
+            return False
+        return True
+
+
 def _one_size(n, args, timer, row, notes, t_start):
     """Every requested row at one vector length n."""
+    s = _Size(n, args, timer, row, notes, t_start)
+    _selection_rows(s)
+    _sparse_rows(s)
+    _bounds_rows(s)
+    if s.want("spardl_step"):
+        _spardl_step(n, s.x, args, timer, row, notes)
+    if s.want("hook_step"):
+        _hook_step(n, s.x, args, timer, row, notes)
+
+
+def _selection_rows(s):
+    """copy, topk_abs, kth_largest_abs (against torch.topk) and the threshold rows."""
+    import torch
+
+    import spardl_kernels.cuda as gk
+
+    n, k, x, xd, timer, row = s.n, s.k, s.x, s.xd, s.timer, s.row
+    s.copy_gbs = None
+    if s.want("copy") or "select_above" in s.args.kernels:
+        dst = torch.empty_like(x)
+        copy_ms = timer(lambda dst=dst: dst.copy_(x))
+        s.copy_gbs = 2 * s.bytes_x / copy_ms / 1e6
+        row(n, "copy", copy_ms, bandwidth_GBps=s.copy_gbs)
+        del dst
+    torch_topk_ms = timer(lambda: torch.topk(x.abs(), k, sorted=False))
+    if s.want("topk_abs"):
+        ms = timer(lambda: gk.topk_abs(xd, k))
+        s.topk = gk.topk_abs(xd, k)
+        tv = torch.topk(x.abs(), k, sorted=False).values
+        got = torch.as_tensor(s.topk[1], device=s.dev).abs().min().item()
+        ok = bool(got == tv.min().item())
+        goal = ms <= torch_topk_ms
+        peer = ("torch.topk(|x|)", torch_topk_ms, "ratio <= 1.0", goal)
+        row(n, "topk_abs", ms, *peer, threshold_matches_torch=ok)
+    s.thr = float(gk.kth_largest_abs(xd, k))
+    if s.want("kth_largest_abs"):
+        ms = timer(lambda: gk.kth_largest_abs(xd, k))
+        row(n, "kth_largest_abs", ms, "torch.topk(|x|)", torch_topk_ms)
+    _threshold_rows(s, torch_topk_ms)
+
+
+def _threshold_rows(s, torch_topk_ms):
+    """select_above, count_above and estimate_threshold at the k-th largest |x|."""
+    import torch
+
+    import spardl_kernels.cuda as gk
+
+    n, k, x, xd, timer, row, thr = s.n, s.k, s.x, s.xd, s.timer, s.row, s.thr
+    if s.want("select_above"):
+        nz_ms = timer(lambda: torch.nonzero(x.abs() >= thr))
+        ms = timer(lambda: gk.select_above(xd, thr))
+        gbs = s.bytes_x / ms / 1e6
+        frac = gbs / s.copy_gbs
+        goal = ("read bandwidth >= 50% of copy", frac >= 0.5)
+        extra = {"bandwidth_GBps": gbs, "fraction_of_copy_bandwidth": frac}
+        row(n, "select_above", ms, "torch.nonzero(|x|>=t)", nz_ms, *goal, **extra)
+    if s.want("count_above"):
+        peer = timer(lambda: (x.abs() >= thr).sum().item())
+        ms = timer(lambda: gk.count_above(xd, thr))
+        row(n, "count_above", ms, "(|x|>=t).sum()", peer, bandwidth_GBps=s.bytes_x / ms / 1e6)
+    if s.want("estimate_threshold"):
+        ms = timer(lambda: gk.estimate_threshold(xd, k))
+        est = gk.estimate_threshold(xd, k)
+        err = abs(est / thr - 1.0) if thr else None
+        row(n, "estimate_threshold", ms, "torch.topk(|x|)", torch_topk_ms, relative_error=err)
+
+
+def _sparse_rows(s):
+    """merge_add, coalesce, scatter_add and gather on two ranks' top-k selections."""
     import torch
     from numba import cuda
 
     import spardl_kernels.cuda as gk
 
-    dev = torch.device("cuda")
-    k = max(1, int(args.density * n))
-    gen = torch.Generator(device=dev).manual_seed(0)
-    # gradient-like: normal values with a heavy tail of larger magnitudes
-    x = torch.randn(n, device=dev, generator=gen) * torch.exp(
-        torch.randn(n, device=dev, generator=gen)
-    )
-    xd = cuda.as_cuda_array(x)
-    bytes_x = x.element_size() * n
-    out = {}
-
-    def want(name):
-        if name not in args.kernels:
-            return False
-        if time.monotonic() - t_start > args.budget_s:
-            notes.append(f"n={n} {name}: skipped, time budget of {args.budget_s} s spent")
-            return False
-        return True
-
-    copy_ms = None
-    if want("copy") or "select_above" in args.kernels:
-        dst = torch.empty_like(x)
-        copy_ms = timer(lambda dst=dst: dst.copy_(x))
-        copy_gbs = 2 * bytes_x / copy_ms / 1e6
-        row(n, "copy", copy_ms, bandwidth_GBps=copy_gbs)
-        del dst
-    torch_topk_ms = timer(lambda: torch.topk(x.abs(), k, sorted=False))
-    if want("topk_abs"):
-        ms = timer(lambda: gk.topk_abs(xd, k))
-        idx, vals = gk.topk_abs(xd, k)
-        tv = torch.topk(x.abs(), k, sorted=False).values
-        ok = bool(torch.as_tensor(vals, device=dev).abs().min().item() == tv.min().item())
-        row(
-            n,
-            "topk_abs",
-            ms,
-            "torch.topk(|x|)",
-            torch_topk_ms,
-            "ratio <= 1.0",
-            ms <= torch_topk_ms,
-            threshold_matches_torch=ok,
-        )
-        out["topk"] = (idx, vals)
-    thr = float(gk.kth_largest_abs(xd, k))
-    if want("kth_largest_abs"):
-        ms = timer(lambda: gk.kth_largest_abs(xd, k))
-        row(n, "kth_largest_abs", ms, "torch.topk(|x|)", torch_topk_ms)
-    if want("select_above"):
-        nz_ms = timer(lambda: torch.nonzero(x.abs() >= thr))
-        ms = timer(lambda: gk.select_above(xd, thr))
-        gbs = bytes_x / ms / 1e6
-        frac = gbs / copy_gbs
-        row(
-            n,
-            "select_above",
-            ms,
-            "torch.nonzero(|x|>=t)",
-            nz_ms,
-            "read bandwidth >= 50% of copy",
-            frac >= 0.5,
-            bandwidth_GBps=gbs,
-            fraction_of_copy_bandwidth=frac,
-        )
-    if want("count_above"):
-        peer = timer(lambda: (x.abs() >= thr).sum().item())
-        ms = timer(lambda: gk.count_above(xd, thr))
-        row(n, "count_above", ms, "(|x|>=t).sum()", peer, bandwidth_GBps=bytes_x / ms / 1e6)
-    if want("estimate_threshold"):
-        ms = timer(lambda: gk.estimate_threshold(xd, k))
-        est = gk.estimate_threshold(xd, k)
-        row(
-            n,
-            "estimate_threshold",
-            ms,
-            "torch.topk(|x|)",
-            torch_topk_ms,
-            relative_error=abs(est / thr - 1.0) if thr else None,
-        )
-    # two sparse vectors of k entries each, as two ranks' selections
-    ia, va = out.get("topk") or gk.topk_abs(xd, k)
-    y = torch.roll(x, 12345)
-    ib, vb = gk.topk_abs(cuda.as_cuda_array(y), k)
-    if want("merge_add"):
+    n, k, x, xd, dev, timer, row = s.n, s.k, s.x, s.xd, s.dev, s.timer, s.row
+    ia, va = s.topk or gk.topk_abs(xd, k)
+    ib, vb = gk.topk_abs(cuda.as_cuda_array(torch.roll(x, 12345)), k)
+    if s.want("merge_add"):
         ms = timer(lambda: gk.merge_add(ia, va, ib, vb))
         row(n, "merge_add", ms, entries=2 * k)
-    if want("coalesce"):
+    if s.want("coalesce"):
         cat_i = torch.cat([torch.as_tensor(ib, device=dev), torch.as_tensor(ia, device=dev)])
         cat_v = torch.cat([torch.as_tensor(vb, device=dev), torch.as_tensor(va, device=dev)])
         ci, cv = cuda.as_cuda_array(cat_i), cuda.as_cuda_array(cat_v)
         ms = timer(lambda: gk.coalesce(ci, cv))
         peer = timer(lambda: torch.unique(cat_i, return_inverse=True))
         row(n, "coalesce", ms, "torch.unique(inverse)", peer, entries=2 * k)
-    if want("scatter_add"):
+    if s.want("scatter_add"):
         dense = torch.zeros(n, device=dev)
         dd = cuda.as_cuda_array(dense)
         ms = timer(lambda: gk.scatter_add(dd, ia, va))
@@ -271,22 +298,29 @@ def _one_size(n, args, timer, row, notes, t_start):
         peer = timer(lambda: dense.index_add_(0, ti, tv))
         row(n, "scatter_add", ms, "index_add_", peer, entries=k)
         del dense
-    if want("gather"):
+    if s.want("gather"):
         ms = timer(lambda: gk.gather(xd, ia))
         ti = torch.as_tensor(ia, device=dev)
         peer = timer(lambda: x[ti])
         row(n, "gather", ms, "x[idx]", peer, entries=k)
-    if want("uniform_bounds"):
-        row(n, "uniform_bounds", timer(lambda: gk.uniform_bounds(n, args.P)), P=args.P)
-    if want("balanced_bounds"):
-        ms = timer(lambda: gk.balanced_bounds(ib, n, args.P))
-        row(n, "balanced_bounds", ms, entries=k, P=args.P)
-    if want("block_offsets"):
-        b = gk.uniform_bounds(n, args.P)
+    s.ib = ib
+
+
+def _bounds_rows(s):
+    """uniform_bounds, balanced_bounds and block_offsets for P blocks."""
+    import spardl_kernels.cuda as gk
+
+    n, k, P, timer, row = s.n, s.k, s.args.P, s.timer, s.row
+    ia = (s.topk or gk.topk_abs(s.xd, k))[0]
+    if s.want("uniform_bounds"):
+        row(n, "uniform_bounds", timer(lambda: gk.uniform_bounds(n, P)), P=P)
+    if s.want("balanced_bounds"):
+        ms = timer(lambda: gk.balanced_bounds(s.ib, n, P))
+        row(n, "balanced_bounds", ms, entries=k, P=P)
+    if s.want("block_offsets"):
+        b = gk.uniform_bounds(n, P)
         ms = timer(lambda: gk.block_offsets(ia, b))
-        row(n, "block_offsets", ms, entries=k, P=args.P)
-    if want("spardl_step"):
-        _spardl_step(n, x, args, timer, row, notes)
+        row(n, "block_offsets", ms, entries=k, P=P)
 
 
 def _spardl_step(n, x, args, timer, row, notes):
@@ -314,6 +348,69 @@ def _spardl_step(n, x, args, timer, row, notes):
         device_buffers=on_device,
         cuda_aware_mpi=cuda_aware(),
     )
+
+
+def _hook_step(n, x, args, timer, row, notes):
+    """DDP with the sparse hook on CUDA buckets, one rank: a one-rank NCCL process group (gloo
+    if NCCL is missing), the model's n parameters in 8 tensors (several buckets), the gradient
+    x; the hook's sparse allreduce runs over MPI.COMM_SELF with its buffers on the device (no
+    message at P = 1; across ranks comm.py sends device buffers directly with a CUDA-aware MPI
+    and stages them through the host otherwise). One row per mode: the synchronous hook and the
+    overlap mode (each bucket reduced on the communication thread)."""
+    try:
+        import os
+        import tempfile
+
+        import torch.distributed as dist
+        from mpi4py import MPI
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from spardl import _arrays
+        from spardl.comm import cuda_aware
+        from spardl.torch import SparseHookState, sparse_allreduce_hook
+
+        if not dist.is_initialized():
+            backend = "nccl" if dist.is_nccl_available() else "gloo"
+            rdv = os.path.join(tempfile.mkdtemp(), "rendezvous")
+            dist.init_process_group(backend, init_method=f"file://{rdv}", rank=0, world_size=1)
+        chunks = [c.contiguous() for c in x.chunk(8)]
+        for overlap in (False, True):
+            model = _chunks_model([c.numel() for c in chunks]).to(x.device)
+            net = DDP(model, bucket_cap_mb=max(1, n * 4 // 8 // 2**20))
+            state = SparseHookState(
+                MPI.COMM_SELF, "spardl", 0, density=args.density, overlap=overlap
+            )
+            net.register_comm_hook(state, sparse_allreduce_hook)
+
+            def step(net=net):
+                net.zero_grad(set_to_none=False)
+                net(chunks).backward()
+
+            ms = timer(step)
+            ar = state.allreducer or next(iter(state._core.cores.values())).sparse
+            name = "hook_overlap" if overlap else "hook_sync"
+            extra = {"buckets": len(state._core.cores) if overlap else None}
+            on_device = _arrays.is_device(ar.residual)
+            row(n, name, ms, P=1, device_buffers=on_device, cuda_aware_mpi=cuda_aware(), **extra)
+            del net, model
+    except Exception as e:  # noqa: BLE001 - any failure makes this row a note, not a crash
+        notes.append(f"n={n} hook_step: failed ({type(e).__name__}: {e})")
+        print(f"  hook_step failed: {type(e).__name__}: {e}", flush=True)
+
+
+def _chunks_model(sizes):
+    """Parameters w_1..w_8 (zero); forward(x_1..x_8) = Σ_i w_i·x_i, so grad w_i = x_i."""
+    import torch
+
+    class Chunks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(m)) for m in sizes)
+
+        def forward(self, xs):
+            return sum((w * c).sum() for w, c in zip(self.w, xs, strict=True))
+
+    return Chunks()
 
 
 def _config():
