@@ -1081,12 +1081,14 @@ class SparseHookState(_Front):
     """State of :func:`sparse_allreduce_hook`: one allreducer over the model's gradient, with
     residuals kept by parameter.
 
-    The hook gathers every bucket of an iteration and reduces the whole model's gradient as one
-    vector, laid out by parameter (the order of ``model.parameters()`` when ``model`` is given,
-    else the order of DDP's first iteration), with one sparse allreducer: the result does not
-    depend on DDP's buckets (their rebuild after the first iteration, ``bucket_cap_mb``), and a
-    run resumed into a fresh DDP continues bit for bit. The result equals
-    :class:`SparseGradientReducer`'s on the same parameters.
+    By default the hook gathers every bucket of an iteration and reduces the whole model's
+    gradient as one vector, laid out by parameter (the order of ``model.parameters()`` when
+    ``model`` is given, else the order of DDP's first iteration), with one sparse allreducer:
+    the result does not depend on DDP's buckets (their rebuild after the first iteration,
+    ``bucket_cap_mb``), and a run resumed into a fresh DDP continues bit for bit. The result
+    equals :class:`SparseGradientReducer`'s on the same parameters. With ``overlap=True`` each
+    bucket is reduced on its own as soon as DDP hands it over, on a communication thread, while
+    backward goes on. CUDA buckets stay on the device in both modes.
 
     Parameters
     ----------
