@@ -64,22 +64,25 @@ class SparDL(Allreducer):
     A team of m = P/d contiguous ranks splits [0, n) into m blocks by ``uniform_bounds(n, m)``;
     C = ⌈n/m⌉ and the per-block budget is k_b = min(block length, max(1, ⌊ρ·C⌋)).
 
-    1. **Spar-Reduce-Scatter** (``phase "srs"``), inside each team, ⌈log₂m⌉ rounds
-       (:func:`spardl.schedules.srs_schedule`): just before a block is sent, the rank re-selects
-       the top-k_b of its current partial sum of that block; all blocks of a round travel in one
-       packed message; received pairs are added into the partial sum. Team position p ends
-       owning block p.
-    2. **Spar-All-Gather across teams** (``"sag_teams"``, only for d > 1): the owner selects the
-       top-h of its block; the d owners of block p exchange their selections by a Bruck
-       all-gather (⌈log₂d⌉ rounds), coalesce them in team order 0 … d−1 and keep the top-k_b of
-       the union. h starts at max(1, ⌊ρC/d⌋) and adapts between steps (:func:`next_h`); where
-       k_b is the whole block (ρ·C ≥ block length) h = k_b, since nothing is to be dropped.
-    3. **Spar-All-Gather inside the team** (``"sag_allgather"``): a Bruck all-gather
-       (⌈log₂m⌉ rounds) gives every rank every block.
-    4. **Global Residual Collection** (``residual="global"``): each rank's partial sums, with
-       what it sent (or selected as owner) zeroed, are its step-2 residual; with I the final
-       indices, E_new = O (= X) outside I and the step-2 value on I. Nothing is lost:
-       Σ_r X_r = P·out + Σ_r E_r,new (op="mean").
+    1. **Spar-Reduce-Scatter** (:meth:`_spar_reduce_scatter`, phase ``"srs"``), inside each
+       team, ⌈log₂m⌉ rounds (:func:`spardl.schedules.srs_schedule`): just before a block is
+       sent, the rank re-selects the top-k_b of its current partial sum of that block; all
+       blocks of a round travel in one packed message; received pairs are added into the
+       partial sum. Team position p ends owning block p.
+    2. **Spar-All-Gather across teams** (:meth:`_spar_all_gather_across_teams`, phase
+       ``"sag_teams"``, only for d > 1; with d = 1 the owner keeps the top-k_b of its block):
+       the owner selects the top-h of its block; the d owners of block p exchange their
+       selections by a Bruck all-gather (⌈log₂d⌉ rounds), coalesce them in team order
+       0 … d−1 and keep the top-k_b of the union. h starts at max(1, ⌊ρC/d⌋) and adapts
+       between steps (:func:`next_h`); where k_b is the whole block (ρ·C ≥ block length)
+       h = k_b, since nothing is to be dropped.
+    3. **Spar-All-Gather inside the team** (:meth:`_spar_all_gather_within_team`, phase
+       ``"sag_allgather"``): a Bruck all-gather (⌈log₂m⌉ rounds) gives every rank every block.
+    4. **Global Residual Collection** (:meth:`_global_residual_collection`,
+       ``residual="global"``): each rank's partial sums, with what it sent (or selected as
+       owner) zeroed, are its step-2 residual; with I the final indices, E_new = O (= X)
+       outside I and the step-2 value on I (:class:`_PartialSums` keeps the bookkeeping).
+       Nothing is lost: Σ_r X_r = P·out + Σ_r E_r,new (op="mean").
        ``residual="local"`` (plain error feedback, an ablation): E_new = X with every position
        this rank sent (or selected as owner) zeroed. Mass a rank forwarded for others and that
        was dropped downstream, and its own entries dropped after it sent them, are lost.
@@ -193,13 +196,11 @@ class SparDL(Allreducer):
         rel, vals = self.selector.select(S[lo:hi], k, key=b)
         return A.shift(rel, lo), vals
 
-    def _bruck(self, comm, rounds, me, item, start_of, cap_of, vdt, keep=None):
+    def _bruck(self, comm, rounds, me, item, start_of, cap_of, vdt):
         """Bruck all-gather of packed sparse items; returns {item id: (indices, values)}.
 
         Every rank holds each item as every rank decoded it (its own too: ``wire="compact"``
-        rounds the values once, and relays send them on unchanged). With ``keep=(S, log)``
-        what the wire rounded off this rank's own item is added into S (first logged in the
-        undo list ``log`` unless it is None)."""
+        rounds the values once, and relays send them on unchanged)."""
         held = {me: item}
         for rnd in rounds:
             delivered = []
@@ -219,108 +220,117 @@ class SparDL(Allreducer):
                 if v is not held[q][1]:
                     held[q] = (held[q][0], v)
             held.update(zip(rnd.recv, got, strict=True))
-        if keep is not None and held[me][1] is not item[1]:
-            S, log = keep
-            if log is not None:
-                log.append((item[0], K.gather(S, item[0])))
-            keep_remainder(S, item[0], item[1], held[me][1], self.residual_mode)
         return held
 
-    # -- the step ---------------------------------------------------------------------------
+    # -- the step: the paper's procedures -----------------------------------------------------
     def _reduce(self, x: np.ndarray) -> Reduced:
         vdt = np.dtype(x.dtype)
-        dev = A.is_device(x)  # GPU gradients: every buffer below stays on the device
-        mc = self.selector.max_count
-        # The partial sums live in x itself (no second length-n buffer: at large n a copy costs
-        # as much as a selection). Every change is logged with the values it overwrote, and
-        # replaying the log backwards restores O = X exactly (bit for bit) in step 3.
-        S = x
-        undo = []
-        sent = []
+        sums = _PartialSums(x, self.residual_mode)
         with self.comm.phase("srs"):
-            for rnd in self._srs:
-                blocks = [self._select(S, b, self.k_b[b]) for b in rnd.send]
-                delivered = []
-                got = self._team.exchange_blocks(
-                    rnd.dest,
-                    blocks,
-                    [self._starts[b] for b in rnd.send],
-                    rnd.source,
-                    [self._starts[b] for b in rnd.recv],
-                    sum(mc(self.k_b[b]) for b in rnd.recv),
-                    self._idt,
-                    vdt,
-                    wire=self.wire,
-                    sent=delivered,
-                )
-                # A sent block is never received again (the tree): its partial sum with the
-                # sent positions zeroed is final and is this rank's step-2 residual (GRC).
-                for (idx, vals), q in zip(blocks, delivered, strict=True):
-                    undo.append((idx, vals))  # vals = S[idx] at send time
-                    A.zero_at(S, idx)
-                    keep_remainder(S, idx, vals, q, self.residual_mode)  # compact: the rounding
-                    sent.append(idx)
-                for idx, vals in got:
-                    undo.append((idx, K.gather(S, idx)))
-                    K.scatter_add(S, idx, vals)
-
-        p, kb = self.p, self.k_b[self.p]
+            self._spar_reduce_scatter(sums, vdt)
         if self.d == 1:
-            own = self._select(S, p, kb)
-            # No undo entry: own is block p's part of I (GRC keeps its step-2 value, 0) and it
-            # is sent (local error feedback zeroes it too).
-            A.zero_at(S, own[0])
-            sent.append(own[0])
-            cap_team = lambda q: mc(self.k_b[q])  # noqa: E731
+            own = self._select(sums.S, self.p, self.k_b[self.p])
+            # Block p's part of I: it keeps its step-2 value (0), so no log entry is needed.
+            sums.send(*own, logged=False)
         else:
-            h = self.h
-            mine = self._select(S, p, h)
-            undo.append(mine)
-            A.zero_at(S, mine[0])
-            sent.append(mine[0])
             with self.comm.phase("sag_teams"):
-                sel = self._bruck(
-                    self._cross,
-                    self._cross_ag,
-                    self.team_id,
-                    mine,
-                    lambda t: self._starts[p],
-                    lambda t: mc(h),
-                    vdt,
-                    keep=(S, None),  # mine is logged
-                )
-            # Team order 0 … d−1: the same sums in the same order on all d owners.
-            ui, uv = K.coalesce(
-                A.concat([sel[t][0] for t in range(self.d)], np.int64, dev),
-                A.concat([sel[t][1] for t in range(self.d)], vdt, dev),
-            )
-            u = int(ui.shape[0])
-            rel, top = K.topk_abs(uv, min(kb, u))
-            own = (A.take(ui, rel), top)
-            self.stats["h"] = h
-            self.h = next_h(h, u, kb, self.d)
-            cap_team = lambda q: self.k_b[q]  # noqa: E731
-
+                own = self._spar_all_gather_across_teams(sums, vdt)
         with self.comm.phase("sag_allgather"):
-            # The d owners of block p hold the same own: one of them keeps its rounding.
-            keep = (S, None if self.d == 1 else undo) if self.team_id == 0 else None
-            blocks = self._bruck(
-                self._team, self._team_ag, p, own, lambda q: self._starts[q], cap_team, vdt, keep
+            indices, values = self._spar_all_gather_within_team(sums, own, vdt)
+        if self.residual_mode == "global":
+            residual = self._global_residual_collection(sums, indices)
+        elif self.residual_mode == "local":
+            residual = sums.forget_sent()
+        else:
+            residual = sums.S  # "none": the base class does not keep it
+        return Reduced(indices, values, residual)
+
+    def _spar_reduce_scatter(self, sums, vdt) -> None:
+        """Spar-Reduce-Scatter (paper Sec. 4.1; docs/design.md §4.2) inside the team: ⌈log₂m⌉
+        rounds; each block is re-selected (top-k_b of the current partial sum) just before it is
+        sent, and received pairs are added into the partial sums. Position p ends holding block
+        p summed over the team."""
+        mc = self.selector.max_count
+        for rnd in self._srs:
+            blocks = [self._select(sums.S, b, self.k_b[b]) for b in rnd.send]
+            delivered = []
+            got = self._team.exchange_blocks(
+                rnd.dest,
+                blocks,
+                [self._starts[b] for b in rnd.send],
+                rnd.source,
+                [self._starts[b] for b in rnd.recv],
+                sum(mc(self.k_b[b]) for b in rnd.recv),
+                self._idt,
+                vdt,
+                wire=self.wire,
+                sent=delivered,
             )
+            # A sent block is never received again (the tree): its partial sum with the sent
+            # positions zeroed is final and is this rank's step-2 residual there (GRC).
+            for (idx, vals), q in zip(blocks, delivered, strict=True):
+                sums.send(idx, vals, q)
+            for idx, vals in got:
+                sums.receive(idx, vals)
+
+    def _spar_all_gather_across_teams(self, sums, vdt):
+        """Spar-All-Gather across teams (paper Sec. 4.2, d > 1; docs/design.md §4.3): the owner
+        gives up the top-h of its block, the d owners of block p all-gather their selections,
+        and each keeps the top-k_b of the union (coalesced in team order 0 … d−1: the same sums
+        in the same order on all d owners). Returns the block's (indices, values); updates h."""
+        p, kb, h = self.p, self.k_b[self.p], self.h
+        dev = A.is_device(sums.S)
+        mine = self._select(sums.S, p, h)
+        sums.send(*mine)
+        sel = self._bruck(
+            self._cross,
+            self._cross_ag,
+            self.team_id,
+            mine,
+            lambda t: self._starts[p],
+            lambda t: self.selector.max_count(h),
+            vdt,
+        )
+        # mine is logged already: the wire's rounding of it needs no entry of its own.
+        sums.keep_rounding(*mine, sel[self.team_id][1], logged=False)
+        ui, uv = K.coalesce(
+            A.concat([sel[t][0] for t in range(self.d)], np.int64, dev),
+            A.concat([sel[t][1] for t in range(self.d)], vdt, dev),
+        )
+        u = int(ui.shape[0])
+        rel, top = K.topk_abs(uv, min(kb, u))
+        self.stats["h"] = h
+        self.h = next_h(h, u, kb, self.d)
+        return A.take(ui, rel), top
+
+    def _spar_all_gather_within_team(self, sums, own, vdt):
+        """Spar-All-Gather within the team (paper Sec. 4.2; docs/design.md §4.3): a Bruck
+        all-gather over the m positions gives every rank every block; returns the output's
+        (int64 indices, values), in block order."""
+        # Receive capacities: with d = 1 a block is the selector's choice, which the threshold
+        # selector may let exceed k_b (up to max_count(k_b)); with d > 1 it is the exact top-k_b
+        # of the union, never more than k_b entries.
+        if self.d == 1:
+            cap = lambda q: self.selector.max_count(self.k_b[q])  # noqa: E731
+        else:
+            cap = lambda q: self.k_b[q]  # noqa: E731
+        p = self.p
+        blocks = self._bruck(self._team, self._team_ag, p, own, lambda q: self._starts[q], cap, vdt)
+        if self.team_id == 0:
+            # The d owners of block p hold the same own: one of them keeps its rounding. With
+            # d > 1 its positions may lie outside what this rank sent, so "local" must undo it.
+            sums.keep_rounding(*own, blocks[p][1], logged=self.d > 1)
+        dev = A.is_device(sums.S)
         indices = A.concat([blocks[q][0] for q in range(self.m)], np.int64, dev)
         values = A.concat([blocks[q][1] for q in range(self.m)], vdt, dev)
+        return indices, values
 
-        if self.residual_mode == "global":
-            # GRC step 3: on I, E is the step-2 value (S as it is now); outside I, E = O. Every
-            # change logged outside I is undone, newest first, so each position ends with the
-            # value it had before its first change: O = X.
-            for idx, old in reversed(undo):
-                A.set_outside(S, idx, old, indices)
-        elif self.residual_mode == "local":
-            for idx, old in reversed(undo):
-                A.set_at(S, idx, old)  # now S is O = X again
-            A.zero_at(S, A.concat(sent, np.int64, dev))
-        return Reduced(indices, values, S)
+    def _global_residual_collection(self, sums, indices):
+        """Global Residual Collection (paper Sec. 5; docs/design.md §4.4) with I = ``indices``:
+        E_new = O (= X) outside I, and on I the step-2 residual, the partial sums with what this
+        rank gave up zeroed. Returns E_new, in X's buffer (:meth:`_PartialSums.restore_outside`
+        says why that equals the paper's bookkeeping on O and E)."""
+        return sums.restore_outside(indices)
 
     # -- state ------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
@@ -334,3 +344,74 @@ class SparDL(Allreducer):
             raise ValueError(f"state has h={h}, outside [{self.h_min}, {self.k_b[self.p]}]")
         self.selector.load_state_dict(state["selector"])
         self.h = h
+
+
+class _PartialSums:
+    """What a rank holds of the sum being reduced during one SparDL step, and GRC's bookkeeping.
+
+    The partial sums S live in the buffer of X = g + E_old itself: at large n a second length-n
+    buffer (the paper's separate O) costs as much as a selection. Every change to S that GRC
+    must be able to undo is logged with the values it overwrote.
+
+    **Why replaying the log gives the paper's O and E** (:meth:`restore_outside`). Let I be the
+    final output indices. (1) Replaying the log newest first, writing back each entry's old
+    values, leaves every logged position with the old value of its *earliest* entry. (2) The
+    first change at any position outside I is logged: SRS sends and receives are always
+    logged, the owner's top-h (d > 1) is logged before its rounding remainder is kept, and the
+    unlogged changes (a team of one's own selection and its rounding) touch only the owned
+    block's output indices, which are in I. Before its first change a position holds X, so by
+    (1) every position outside I ends with X = O, and positions outside I never changed hold X
+    anyway. (3) Positions in I are skipped by the replay and keep what S holds after the final
+    all-gather: the partial sum with what this rank sent (or gave up as owner) zeroed, plus
+    what the wire rounded off its own values; that is the paper's step-2 residual. So
+    E_new = O outside I and the step-2 value on I, exactly GRC's bookkeeping, bit for bit.
+
+    Parameters
+    ----------
+    x : ndarray or device array of shape (n,), the work dtype
+        X = g + E_old; **consumed** (it becomes the partial sums, then E_new).
+    mode : {"global", "local", "none"}
+        The residual mode (for the wire's rounding remainders, :func:`keep_remainder`).
+    """
+
+    def __init__(self, x, mode: str):
+        self.S = x
+        self.mode = mode
+        self._log = []  # (indices, values overwritten), oldest first
+        self._sent = []  # indices this rank gave up, for residual="local"
+
+    def send(self, idx, vals, delivered=None, logged=True) -> None:
+        """This rank gives up S[idx] = vals (sent, or kept as the owner's selection): zeroed
+        here, plus what the wire rounded off (``delivered``: the values as decoded)."""
+        if logged:
+            self._log.append((idx, vals))  # vals = S[idx] as it was
+        A.zero_at(self.S, idx)
+        if delivered is not None:
+            keep_remainder(self.S, idx, vals, delivered, self.mode)  # compact: the rounding
+        self._sent.append(idx)
+
+    def receive(self, idx, vals) -> None:
+        """Received pairs are added into the partial sums: S[idx] += vals."""
+        self._log.append((idx, K.gather(self.S, idx)))
+        K.scatter_add(self.S, idx, vals)
+
+    def keep_rounding(self, idx, vals, delivered, logged) -> None:
+        """Keep what the wire rounded off values this rank sent on (nothing for "coo")."""
+        if delivered is vals:
+            return
+        if logged:
+            self._log.append((idx, K.gather(self.S, idx)))
+        keep_remainder(self.S, idx, vals, delivered, self.mode)
+
+    def restore_outside(self, members):
+        """GRC's step 3: replay the log newest first at the positions not in the ascending
+        ``members`` (I); returns S, now E_new (see the class docstring)."""
+        for idx, old in reversed(self._log):
+            A.set_outside(self.S, idx, old, members)
+        return self.S
+
+    def forget_sent(self):
+        """``residual="local"``: S back to X everywhere, then every position given up zeroed."""
+        for idx, old in reversed(self._log):
+            A.set_at(self.S, idx, old)
+        return A.zero_at(self.S, A.concat(self._sent, np.int64, A.is_device(self.S)))
