@@ -304,7 +304,7 @@ def summary(rows, fit=None) -> list[str]:
     return out
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=2_000_000)
     ap.add_argument("--density", type=float, default=0.01)
@@ -322,21 +322,23 @@ def main(argv=None):
     )
     ap.add_argument("--worker", choices=["pingpong", "measure"], help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    a.algorithms = [s for s in a.algorithms.split(",") if s]
-    if a.worker == "pingpong":
-        return _worker_pingpong(a.worker_out)
-    if a.worker == "measure":
-        a.out = a.worker_out
-        return _worker_measure(a)
+    return ap
 
+
+def _world_sizes(ap, a) -> list[int]:
+    """The world sizes to measure (P = 1 always), after checking --P, --repeat and --warmup."""
     try:
         Ps = sorted(set(_parse_P(a.P)) | {1})
     except ValueError as e:
         ap.error(str(e))
     if a.repeat < 1 or a.warmup < 0:
         ap.error(f"--repeat must be >= 1 and --warmup >= 0, got {a.repeat}, {a.warmup}")
-    cores = _cores()
+    return Ps
+
+
+def _measure(a, Ps):
+    """The ping-pong fit (one job at P = 2) and every world size's measured step times (one job
+    per P), each job writing its JSON into a temporary directory."""
     me = str(Path(__file__).resolve())
     with tempfile.TemporaryDirectory() as tmp:
         _spawn(
@@ -365,7 +367,11 @@ def main(argv=None):
             _spawn(P, [me, "--worker", "measure", "--worker-out", out, *common], a.timeout, bw)
             measured[P] = json.loads(Path(out).read_text())
             print(f"# measured P={P}", file=sys.stderr, flush=True)
-    rows = predict_rows(fit, measured, cores, links=a.bandwidth is not None)
+    return fit, measured
+
+
+def _print_report(a, fit, measured, rows, cores) -> None:
+    """The command, host and fit as comments, the table, the summary and the load."""
     print(f"# {' '.join(['python', *sys.argv])}")
     print(
         f"# host {platform.node()}, {cores} cores, {platform.processor() or platform.machine()}"
@@ -385,23 +391,44 @@ def main(argv=None):
         print(f"# load average (1 min) at the end: {load:.1f}")
     except OSError:
         pass
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(
-            json.dumps(
-                {
-                    "fit": fit,
-                    "rows": rows,
-                    "cores": cores,
-                    "host": platform.node(),
-                    "argv": sys.argv,
-                    "n": a.n,
-                    "density": a.density,
-                    "bandwidth": a.bandwidth,
-                },
-                indent=1,
-            )
+
+
+def _write_json(a, fit, rows, cores) -> None:
+    """--out: the fit, the rows and the environment as JSON."""
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(
+        json.dumps(
+            {
+                "fit": fit,
+                "rows": rows,
+                "cores": cores,
+                "host": platform.node(),
+                "argv": sys.argv,
+                "n": a.n,
+                "density": a.density,
+                "bandwidth": a.bandwidth,
+            },
+            indent=1,
         )
+    )
+
+
+def main(argv=None):
+    ap = _parser()
+    a = ap.parse_args(argv)
+    a.algorithms = [s for s in a.algorithms.split(",") if s]
+    if a.worker == "pingpong":
+        return _worker_pingpong(a.worker_out)
+    if a.worker == "measure":
+        a.out = a.worker_out
+        return _worker_measure(a)
+    Ps = _world_sizes(ap, a)
+    cores = _cores()
+    fit, measured = _measure(a, Ps)
+    rows = predict_rows(fit, measured, cores, links=a.bandwidth is not None)
+    _print_report(a, fit, measured, rows, cores)
+    if a.out:
+        _write_json(a, fit, rows, cores)
     return 0
 
 
