@@ -8,6 +8,10 @@ share, so that both order, compare and sample entries the same way bit for bit.
   have no float16 arithmetic.
 * **Bit views.** Values are moved as the integers of the same width (``BITS``), so copies keep
   -0.0 and NaN payloads.
+* **Canonical NaN.** A value computed by arithmetic (a sum, a quotient, a float16 rounding of a
+  float32 sum) that is NaN is written as ``CANONICAL_NAN_BITS`` of its dtype: quiet, positive,
+  zero payload. The NaN that hardware makes of NaN + x or inf - inf differs between x86, GPUs
+  and compilers; written this way it is the same everywhere.
 * **Sampling.** ``estimate_threshold`` draws sample j as SplitMix64(seed + (j + 1) * golden)
   mod n: a counter-based generator, so sample j depends only on (seed, j) and a GPU draws the
   same positions in parallel.
@@ -36,6 +40,13 @@ KEY_INFO = {
 # dtype name -> the signed integer dtype its values are moved as.
 BITS = {name: view for name, (view, _, _) in KEY_INFO.items()}
 
+# dtype name -> the bits of its canonical NaN (quiet, positive, zero payload), as BITS[name].
+CANONICAL_NAN_BITS = {
+    "float16": 0x7E00,
+    "float32": 0x7FC00000,
+    "float64": 0x7FF8000000000000,
+}
+
 # dtype name -> key width in bits (the sign bit excluded): 15, 31, 63.
 KEY_BITS = {name: mask.bit_length() for name, (_, mask, _) in KEY_INFO.items()}
 
@@ -43,6 +54,12 @@ KEY_BITS = {name: mask.bit_length() for name, (_, mask, _) in KEY_INFO.items()}
 SPLITMIX64_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 SPLITMIX64_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 SPLITMIX64_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def canonical_nan_bits(dtype):
+    """The canonical NaN of a value dtype as a scalar of its bit dtype (``BITS``)."""
+    name = np.dtype(dtype).name
+    return BITS[name].type(CANONICAL_NAN_BITS[name])
 
 
 def key_info(dtype):

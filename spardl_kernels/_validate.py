@@ -222,3 +222,27 @@ def check_accumulate_out(shape, dtype, n, work, writeable, overlaps):
     )
     require(writeable, "out", "array is read-only")
     require(not overlaps, "out", "must not share memory with g or e")
+
+
+def check_work_array(name, ndim, dtype, writeable):
+    """The in-place target of ``divide_count_nonfinite`` / ``canonical_count_nonfinite``: 1-D,
+    float32 or float64 (an allreducer's work dtype), writeable."""
+    check_ndim(name, ndim)
+    dtype = np.dtype(dtype)
+    require(
+        dtype in VALUE_DTYPES[1:],
+        name,
+        f"dtype must be float32 or float64, got {dtype}",
+        TypeError,
+    )
+    require(writeable, name, "array is read-only; the pass writes into it")
+
+
+def check_divisor(s):
+    """A real, finite, non-zero divisor (the number of ranks); returns it as ``float``."""
+    real = isinstance(s, (numbers.Real, np.floating, np.integer))
+    if isinstance(s, (bool, np.bool_)) or not real:
+        raise TypeError(f"s: expected a real number, got {type(s).__name__}")
+    s = float(s)
+    require(np.isfinite(s) and s != 0.0, "s", f"must be finite and non-zero, got {s}")
+    return s

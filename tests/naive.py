@@ -3,11 +3,58 @@
 Same names and signatures as the kernels; no validation beyond what the formulas need. Each one
 spells out the contract of docs/design.md §3 as directly as possible, so a fast kernel is tested by
 comparing with it bit for bit.
+
+NaN (docs/design.md §3.4): a value the contract computes by arithmetic (a sum, a quotient, the
+float16 rounding of a float32 sum) that is NaN is the canonical NaN of its dtype, spelled out
+below as bits; a value the contract copies keeps its bits. The references therefore keep copies
+as bit patterns and round sums explicitly, so that NumPy's own float16 conversions (which may
+quiet a signalling NaN) never touch a copied value.
 """
 
 import math
 
 import numpy as np
+
+# The canonical NaN of each value dtype (quiet, positive, zero payload), as unsigned bits.
+CANONICAL_NAN_BITS = {
+    np.dtype(np.float16): 0x7E00,
+    np.dtype(np.float32): 0x7FC00000,
+    np.dtype(np.float64): 0x7FF8000000000000,
+}
+UNSIGNED = {
+    np.dtype(np.float16): np.uint16,
+    np.dtype(np.float32): np.uint32,
+    np.dtype(np.float64): np.uint64,
+}
+
+
+def canonical_nan(dtype):
+    """The canonical NaN of ``dtype`` as a NumPy scalar."""
+    dtype = np.dtype(dtype)
+    return np.array([CANONICAL_NAN_BITS[dtype]], UNSIGNED[dtype]).view(dtype)[0]
+
+
+def bits(a):
+    """The bit patterns of a float array, as unsigned integers (a new array)."""
+    a = np.ascontiguousarray(a)
+    return a.view(UNSIGNED[a.dtype]).copy()
+
+
+def _computed(s, dtype):
+    """The bits of a computed value s (a sum in the sum dtype) stored as ``dtype``: rounded once
+    to nearest, the canonical NaN if NaN."""
+    dtype = np.dtype(dtype)
+    if np.isnan(s):
+        return CANONICAL_NAN_BITS[dtype]
+    with np.errstate(over="ignore"):
+        return int(np.array([s]).astype(dtype).view(UNSIGNED[dtype])[0])
+
+
+def canonicalize(a):
+    """A copy of the float array a with every NaN replaced by the canonical NaN."""
+    a = np.array(a)
+    a[np.isnan(a)] = canonical_nan(a.dtype)
+    return a
 
 
 def _abs64(x):
@@ -251,29 +298,47 @@ def _sum_dtype(dtype):
     return np.float32 if dtype == np.float16 else np.dtype(dtype).type
 
 
-def merge_add(ia, va, ib, vb):
-    acc = {}
-    dt = np.asarray(va).dtype
+def _sparse_sums(pairs, dt):
+    """{index: bits as dt} for (index, value bits, value in the sum dtype) pairs in order: a
+    lone value keeps its bits, several are summed left to right and rounded once."""
     sd = _sum_dtype(dt)
-    for i, v in zip(np.asarray(ia).tolist(), np.asarray(va).astype(sd), strict=True):
-        acc[i] = v
-    for i, v in zip(np.asarray(ib).tolist(), np.asarray(vb).astype(sd), strict=True):
-        acc[i] = sd(acc[i] + v) if i in acc else v
+    terms = {}
+    for i, b, v in pairs:
+        terms.setdefault(i, []).append((b, v))
+    out = {}
+    for i, t in terms.items():
+        if len(t) == 1:
+            out[i] = t[0][0]
+        else:
+            acc = t[0][1]
+            for _, v in t[1:]:
+                acc = sd(acc + v)
+            out[i] = _computed(acc, dt)
+    return out
+
+
+def _triples(indices, values):
+    values = np.asarray(values)
+    wide = values.astype(_sum_dtype(values.dtype))
+    return zip(np.asarray(indices).tolist(), bits(values).tolist(), wide, strict=True)
+
+
+def merge_add(ia, va, ib, vb):
+    dt = np.asarray(va).dtype
+    # a's entries first, so a meeting pair sums a + b
+    acc = _sparse_sums([*_triples(ia, va), *_triples(ib, vb)], dt)
     keys = sorted(acc)
     idt = np.result_type(np.asarray(ia).dtype, np.asarray(ib).dtype)
-    vals = np.array([acc[i] for i in keys], dtype=sd).astype(dt)
+    vals = np.array([acc[i] for i in keys], UNSIGNED[dt]).view(dt)
     return np.array(keys, dtype=idt), vals
 
 
 def coalesce(indices, values):
     indices = np.asarray(indices)
     values = np.asarray(values)
-    sd = _sum_dtype(values.dtype)
-    acc = {}
-    for i, v in zip(indices.tolist(), values.astype(sd), strict=True):
-        acc[i] = sd(acc[i] + v) if i in acc else v  # position order
+    acc = _sparse_sums(_triples(indices, values), values.dtype)  # position order
     keys = sorted(acc)
-    vals = np.array([acc[i] for i in keys], dtype=sd).astype(values.dtype)
+    vals = np.array([acc[i] for i in keys], UNSIGNED[values.dtype]).view(values.dtype)
     return np.array(keys, dtype=indices.dtype), vals
 
 
@@ -302,8 +367,9 @@ def scatter_add(dense, indices, values):
         if i not in acc:
             acc[i] = sd(dense[i])
         acc[i] = sd(acc[i] + v)
+    out = dense.view(UNSIGNED[dense.dtype])
     for i, v in acc.items():
-        dense[i] = v
+        out[i] = _computed(v, dense.dtype)
     return dense
 
 
@@ -312,7 +378,7 @@ def gather(dense, indices):
 
 
 def accumulate_topk(g, e, ks, bounds, *, out=None):
-    x = np.asarray(g).astype(e.dtype) + e
+    x = canonicalize(np.asarray(g).astype(e.dtype) + e)
     if out is not None:
         out[:] = x
         x = out
@@ -323,3 +389,15 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
         np.concatenate([np.empty(0, np.int64), *idx]),
         np.concatenate([np.empty(0, x.dtype), *(v for _, v in parts)]),
     )
+
+
+def divide_count_nonfinite(x, s):
+    """``spardl_kernels.cpu.arrays.divide_count_nonfinite``: x = x / s in place, NaN canonical."""
+    x[:] = canonicalize(x / x.dtype.type(s))
+    return int((~np.isfinite(x)).sum())
+
+
+def canonical_count_nonfinite(x):
+    """``spardl_kernels.cpu.arrays.canonical_count_nonfinite``."""
+    x[:] = canonicalize(x)
+    return int((~np.isfinite(x)).sum())

@@ -660,11 +660,8 @@ def test_bench_gpu_arguments():
 
 
 def _same_values(got, want):
-    """Equal dtype and values, NaN == NaN (a sum's NaN payload is not part of the contract)."""
-    assert got.dtype == want.dtype
-    nan = np.isnan(want)
-    np.testing.assert_array_equal(np.isnan(got), nan)
-    assert_bits_equal(got[~nan], want[~nan])
+    """Equal dtype and bits: a NaN sum is the canonical NaN on both (docs/design.md §3.4)."""
+    assert_bits_equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -698,3 +695,112 @@ def test_accumulate_topk_errors_match_the_cpu():
     d = dev(g)
     with pytest.raises(ValueError, match="^out"):
         gpu.accumulate_topk(d, dev(g), [1], [0, 6], out=d)
+
+
+# ---------------------------------------------------------------------------------------------
+# canonical NaN: every summing kernel writes the same bits on the CPU and the GPU, whatever NaN
+# the hardware (here: NumPy, under the simulator) makes of NaN + x or inf - inf
+# ---------------------------------------------------------------------------------------------
+
+_LAYOUT = {
+    np.dtype(np.float16): (1 << 15, 0x7C00, 10),
+    np.dtype(np.float32): (1 << 31, 0x7F800000, 23),
+    np.dtype(np.float64): (1 << 63, 0x7FF0000000000000, 52),
+}
+NAN_SETTINGS = settings(max_examples=5, deadline=None)
+
+
+def nan_mix(data, dtype, size):
+    """``size`` values from bit patterns: NaNs of any payload and sign (quiet and signalling),
+    ±inf, ±0.0, ±1.5 and the largest finite value."""
+    dtype = np.dtype(dtype)
+    sign, exp, frac = _LAYOUT[dtype]
+    onehalf = int(np.array([1.5], dtype).view(naive.UNSIGNED[dtype])[0])
+    magnitude = st.one_of(
+        st.integers(1, (1 << frac) - 1).map(lambda p: exp | p),
+        st.sampled_from([exp, 0, onehalf, exp - 1]),
+    )
+    element = st.tuples(st.booleans(), magnitude).map(lambda t: t[1] | (sign if t[0] else 0))
+    return np.array(
+        data.draw(st.lists(element, min_size=size, max_size=size)), naive.UNSIGNED[dtype]
+    ).view(dtype)
+
+
+def assert_unsigned_bits_equal(got, want):
+    """Same dtype and shape, and equal as unsigned-integer views (floats), or equal (indices)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype.kind == "f":
+        got, want = naive.bits(got), naive.bits(want)
+    np.testing.assert_array_equal(got, want)
+
+
+def _sorted_unique(data, size):
+    return np.array(sorted(data.draw(st.sets(st.integers(0, 7), max_size=size))), np.int64)
+
+
+@NAN_SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_merge_add_nan_bits_cpu_equals_gpu(data, dtype):
+    ia, ib = _sorted_unique(data, 6), _sorted_unique(data, 6)
+    va, vb = nan_mix(data, dtype, ia.shape[0]), nan_mix(data, dtype, ib.shape[0])
+    want = cpu.merge_add(ia, va, ib, vb)
+    got = gpu.merge_add(dev(ia), dev(va), dev(ib), dev(vb))
+    for g, w in zip(got, want, strict=True):
+        assert_unsigned_bits_equal(host(g), w)
+    with np.errstate(all="ignore"):
+        assert_unsigned_bits_equal(want[1], naive.merge_add(ia, va, ib, vb)[1])
+
+
+@NAN_SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_coalesce_nan_bits_cpu_equals_gpu(data, dtype):
+    idx = np.array(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=8)), np.int64)
+    vals = nan_mix(data, dtype, idx.shape[0])
+    want = cpu.coalesce(idx, vals)
+    got = gpu.coalesce(dev(idx), dev(vals))
+    for g, w in zip(got, want, strict=True):
+        assert_unsigned_bits_equal(host(g), w)
+
+
+@NAN_SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_scatter_add_nan_bits_cpu_equals_gpu(data, dtype):
+    dense = nan_mix(data, dtype, 5)
+    idx = np.array(data.draw(st.lists(st.integers(0, 4), min_size=1, max_size=8)), np.int64)
+    vals = nan_mix(data, dtype, idx.shape[0])
+    want = cpu.scatter_add(dense.copy(), idx, vals)
+    d = dev(dense)
+    gpu.scatter_add(d, dev(idx), dev(vals))
+    assert_unsigned_bits_equal(host(d), want)
+
+
+@NAN_SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_accumulate_topk_nan_bits_cpu_equals_gpu(data, dtype):
+    work = np.float32 if dtype == np.float16 else dtype
+    g, e = nan_mix(data, dtype, 9), nan_mix(data, work, 9)
+    ks, bounds = np.array([2, 3]), np.array([0, 4, 9])
+    want = cpu.accumulate_topk(g, e, ks, bounds)
+    got = gpu.accumulate_topk(dev(g), dev(e), ks, bounds)
+    for a, b in zip(got, want, strict=True):
+        assert_unsigned_bits_equal(host(a), b)
+
+
+@NAN_SETTINGS
+@given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64]))
+def test_dense_passes_nan_bits_cpu_equals_gpu(data, dtype):
+    from spardl_kernels.cpu import arrays as host_ops
+    from spardl_kernels.cuda import arrays as device_ops
+
+    x = nan_mix(data, dtype, 7)
+    for name, args in (("divide_count_nonfinite", (3,)), ("canonical_count_nonfinite", ())):
+        want = x.copy()
+        count = getattr(host_ops, name)(want, *args)
+        d = dev(x)
+        assert getattr(device_ops, name)(d, *args) == count
+        assert_unsigned_bits_equal(host(d), want)
+    with pytest.raises(TypeError, match="^x: dtype"):
+        device_ops.divide_count_nonfinite(dev(np.ones(3, np.float16)), 2)
+    with pytest.raises(ValueError, match="^s: "):
+        device_ops.divide_count_nonfinite(dev(x), 0)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import spardl_kernels as sk
 from spardl_kernels import config
+from spardl_kernels.cpu import arrays as host_arrays
 from tests import naive
 
 DTYPES = [np.float16, np.float32, np.float64]
@@ -521,3 +522,172 @@ def test_accumulate_topk_fused_window_on_large_blocks(dtype, sigmas):
             got = sk.accumulate_topk(g, e, np.array(ks), bounds)
         for a, b in zip(got, naive.accumulate_topk(g, e, np.array(ks), bounds), strict=True):
             same_bits(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# canonical NaN (docs/design.md §3.4): a computed NaN is one bit pattern, a copied one keeps its
+# own; compared as unsigned bits, payloads included
+# ---------------------------------------------------------------------------------------------
+
+# (sign bit, exponent bits, fraction bits) of each value dtype
+_LAYOUT = {
+    np.dtype(np.float16): (1 << 15, 0x7C00, 10),
+    np.dtype(np.float32): (1 << 31, 0x7F800000, 23),
+    np.dtype(np.float64): (1 << 63, 0x7FF0000000000000, 52),
+}
+
+
+def nan_mix_elements(dtype):
+    """Bit patterns: NaNs of any payload (quiet and signalling) and sign, ±inf, ±0.0, ±1, ±1.5
+    and the largest finite value (so that sums overflow)."""
+    sign, exp, frac = _LAYOUT[np.dtype(dtype)]
+    one = int(np.array([1.0], dtype).view(naive.UNSIGNED[np.dtype(dtype)])[0])
+    onehalf = int(np.array([1.5], dtype).view(naive.UNSIGNED[np.dtype(dtype)])[0])
+    special = [exp, 0, one, onehalf, exp - 1]
+    magnitude = st.one_of(
+        st.integers(1, (1 << frac) - 1).map(lambda p: exp | p), st.sampled_from(special)
+    )
+    return st.tuples(st.booleans(), magnitude).map(lambda t: t[1] | (sign if t[0] else 0))
+
+
+def nan_mix(data, dtype, size):
+    """A value array of ``size`` entries drawn from :func:`nan_mix_elements`."""
+    u = naive.UNSIGNED[np.dtype(dtype)]
+    return data.draw(hnp.arrays(u, size, elements=nan_mix_elements(dtype))).view(dtype)
+
+
+def assert_same_bits(got, want):
+    """Equal dtype, shape and bit patterns (NaN payloads included; indices as they are)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype.kind == "f":
+        got, want = naive.bits(got), naive.bits(want)
+    np.testing.assert_array_equal(got, want)
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_merge_add_nan_bits(data, dtype):
+    ia = np.sort(
+        data.draw(hnp.arrays(np.int64, st.integers(0, 8), elements=st.integers(0, 9), unique=True))
+    )
+    ib = np.sort(
+        data.draw(hnp.arrays(np.int64, st.integers(0, 8), elements=st.integers(0, 9), unique=True))
+    )
+    va, vb = nan_mix(data, dtype, ia.shape[0]), nan_mix(data, dtype, ib.shape[0])
+    got = sk.merge_add(ia, va, ib, vb)
+    with np.errstate(all="ignore"):
+        want = naive.merge_add(ia, va, ib, vb)
+    assert_same_bits(got[0], want[0])
+    assert_same_bits(got[1], want[1])
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_coalesce_nan_bits(data, dtype):
+    idx = data.draw(hnp.arrays(np.int64, st.integers(0, 12), elements=st.integers(0, 4)))
+    vals = nan_mix(data, dtype, idx.shape[0])
+    got = sk.coalesce(idx, vals)
+    with np.errstate(all="ignore"):
+        want = naive.coalesce(idx, vals)
+    assert_same_bits(got[0], want[0])
+    assert_same_bits(got[1], want[1])
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_scatter_add_nan_bits(data, dtype):
+    dense = nan_mix(data, dtype, data.draw(st.integers(1, 6)))
+    idx = data.draw(
+        hnp.arrays(np.int64, st.integers(0, 10), elements=st.integers(0, dense.shape[0] - 1))
+    )
+    vals = nan_mix(data, dtype, idx.shape[0])
+    got, want = dense.copy(), dense.copy()
+    sk.scatter_add(got, idx, vals)
+    with np.errstate(all="ignore"):
+        naive.scatter_add(want, idx, vals)
+    assert_same_bits(got, want)
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), path=paths)
+def test_accumulate_topk_nan_bits(data, dtype, path):
+    n = data.draw(st.integers(0, 40))
+    work = np.float32 if dtype == np.float16 else dtype
+    g, e = nan_mix(data, dtype, n), nan_mix(data, work, n)
+    bounds = naive.uniform_bounds(n, 2)
+    ks = np.array([data.draw(st.integers(0, int(b))) for b in np.diff(bounds)])
+    with tuning(*path):
+        got = sk.accumulate_topk(g, e, ks, bounds)
+    with np.errstate(all="ignore"):
+        want = naive.accumulate_topk(g, e, ks, bounds)
+    for a, b in zip(got, want, strict=True):
+        assert_same_bits(a, b)
+
+
+def test_accumulate_topk_nan_bits_without_the_fused_pass():
+    # config.WINDOW_SELECT off: the sum runs apart from the selection, NaN canonical all the same
+    g = np.array([np.inf, 1.0, np.nan, 2.0], np.float32)
+    g.view(np.uint32)[2] |= 0x80000005  # a negative NaN with a payload
+    e = np.array([-np.inf, np.nan, 0.5, 1.0], np.float32)
+    saved = config.WINDOW_SELECT
+    config.WINDOW_SELECT = False
+    try:
+        x, i, v = sk.accumulate_topk(g, e, [2], [0, 4])
+    finally:
+        config.WINDOW_SELECT = saved
+    assert naive.bits(x).tolist() == [0x7FC00000] * 3 + [0x40400000]
+    assert i.tolist() == [0, 1] and naive.bits(v).tolist() == [0x7FC00000] * 2
+
+
+def test_float16_widening_is_exact_for_every_bit_pattern():
+    from spardl_kernels.cpu._common import narrow_half, widen_half
+
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    w = widen_half(h)
+    nan = np.isnan(h)
+    assert_same_bits(w[~nan], h[~nan].astype(np.float32))
+    hb = naive.bits(h[nan]).astype(np.uint32)
+    want = ((hb & 0x8000) << 16) | 0x7F800000 | ((hb & 0x3FF) << 13)
+    np.testing.assert_array_equal(naive.bits(w[nan]), want)
+    assert_same_bits(narrow_half(w), h)
+    assert naive.bits(narrow_half(np.array([np.nan, 70000.0], np.float32))).tolist() == [
+        0x7E00,
+        0x7C00,
+    ]
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64]), P=st.integers(1, 8))
+def test_dense_divide_and_count_nan_bits(data, dtype, P):
+    x = nan_mix(data, dtype, data.draw(st.integers(0, 12)))
+    got, want = x.copy(), x.copy()
+    with np.errstate(all="ignore"):
+        count = naive.divide_count_nonfinite(want, P)
+    assert host_arrays.divide_count_nonfinite(got, P) == count
+    assert_same_bits(got, want)
+    got, want = x.copy(), x.copy()
+    count = naive.canonical_count_nonfinite(want)
+    assert host_arrays.canonical_count_nonfinite(got) == count
+    assert_same_bits(got, want)
+
+
+def test_dense_passes_reject_bad_arguments():
+    x = np.ones(3, np.float32)
+    for bad, exc, match in (
+        (np.ones(3, np.float16), TypeError, "^x: dtype"),
+        (np.ones((2, 2), np.float32), ValueError, "^x: expected a 1-D"),
+        (np.ones(3, np.int64), TypeError, "^x: dtype"),
+    ):
+        with pytest.raises(exc, match=match):
+            host_arrays.divide_count_nonfinite(bad, 2)
+        with pytest.raises(exc, match=match):
+            host_arrays.canonical_count_nonfinite(bad)
+    x.flags.writeable = False
+    with pytest.raises(ValueError, match="^x: array is read-only"):
+        host_arrays.canonical_count_nonfinite(x)
+    y = np.ones(3)
+    for s, exc in ((0, ValueError), (np.inf, ValueError), (True, TypeError), ("2", TypeError)):
+        with pytest.raises(exc, match="^s: "):
+            host_arrays.divide_count_nonfinite(y, s)
+    assert (y == 1).all()

@@ -2,34 +2,13 @@
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from spardl_kernels.cpu import arrays as host_arrays
 
 from .. import _arrays as A
 from ..result import SparseResult
 from .base import Allreducer, _work_dtype
-
-
-@numba.njit(cache=True, nogil=True)
-def _divide_count_nonfinite(x, s):
-    """``x /= s`` in place (IEEE division in x's dtype, as NumPy's) and the number of NaN and
-    ±Inf entries of the result, in one pass."""
-    c = 0
-    for i in range(x.shape[0]):
-        v = x[i] / s
-        x[i] = v
-        c += not (abs(v) < np.inf)
-    return c
-
-
-@numba.njit(cache=True, nogil=True)
-def _count_nonfinite(x):
-    """The number of NaN and ±Inf entries of x, one pass, no temporary array."""
-    c = 0
-    for i in range(x.shape[0]):
-        c += not (abs(x[i]) < np.inf)
-    return c
-
 
 #: Result buffers a dense allreducer keeps (per dtype in use).
 _POOL = 2
@@ -105,16 +84,19 @@ class Dense(Allreducer):
         stats = self.comm.stats
         self.comm.next_step()
         # The mean's division and the non-finite count in one pass over the sums (a finite sum
-        # stays finite divided by P, Inf and NaN stay what they are, so the count is the same).
+        # stays finite divided by P, Inf and NaN stay what they are, so the count is the same);
+        # the pass writes every NaN as the canonical NaN (docs/design.md §3.4), whatever NaN the
+        # MPI library's sum made.
         scale = self.P if self.op == "mean" and self.P > 1 else 1
+        ops = host_arrays
         if device:
-            if scale > 1:
-                A.divide(total, scale, out=total)
-            finite = None if self.nonfinite == "propagate" else A.all_finite(total)
-        elif scale > 1:
-            finite = _divide_count_nonfinite(total, total.dtype.type(scale)) == 0
+            from spardl_kernels.cuda import arrays as ops
+        if scale > 1:
+            finite = ops.divide_count_nonfinite(total, scale) == 0
+        elif self.nonfinite == "propagate":
+            finite = None
         else:
-            finite = None if self.nonfinite == "propagate" else _count_nonfinite(total) == 0
+            finite = ops.canonical_count_nonfinite(total) == 0
         if self.nonfinite != "propagate" and not finite:
             return self._not_applied(device), False
         self.step += 1

@@ -1,9 +1,12 @@
-"""Helpers shared by the CPU kernel modules: array coercion, key views and threads."""
+"""Helpers shared by the CPU kernel modules: array coercion, key views, threads, the canonical
+NaN of computed values and exact float16 <-> float32 conversions."""
 
 import contextlib
 
 import numba
 import numpy as np
+from numba import njit, types
+from numba.extending import overload
 
 from .. import _contract, _validate, config
 
@@ -98,3 +101,94 @@ def part_bounds(n, parts):
     q, r = divmod(n, parts)
     s = np.arange(parts + 1, dtype=np.int64)
     return s * q + np.minimum(s, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# canonical NaN and exact float16 <-> float32 conversions (docs/design.md §3.4)
+# ---------------------------------------------------------------------------------------------
+
+
+def canonical(v):
+    """``v``, or the canonical NaN of v's type (``_contract.CANONICAL_NAN_BITS``) if v is NaN.
+
+    Called from compiled code, where it becomes one compare and one select on the value just
+    computed (no branch). This Python body serves NumPy float scalars.
+    """
+    return v if v == v else type(v)(np.nan)
+
+
+@overload(canonical)
+def _canonical_compiled(v):
+    if isinstance(v, types.Float):
+        # A constant of v's own type: np.float32(np.nan) is 0x7FC00000, np.float64(np.nan)
+        # 0x7FF8000000000000 (asserted by the kernel tests), with no conversion at run time.
+        nan = np.dtype(v.name).type(np.nan)
+
+        def impl(v):
+            return v if v == v else nan
+
+        return impl
+    if isinstance(v, types.Integer):  # integers have no NaN (code typed for bit views too)
+
+        def same(v):
+            return v
+
+        return same
+    return None
+
+
+@njit(**JIT)
+def _half_to_single_bits(h, out):
+    """out[i] = the float32 bits of the float16 with bits h[i], exactly (NaN payloads and
+    signalling NaNs kept: no hardware conversion, which may quiet them)."""
+    for i in range(h.shape[0]):
+        b = np.int64(h[i]) & 0xFFFF
+        sign = (b & 0x8000) << 16
+        e = (b >> 10) & 0x1F
+        m = b & 0x3FF
+        if e == 0x1F:  # inf and NaN: the payload moves to the top of float32's fraction
+            r = sign | 0x7F800000 | (m << 13)
+        elif e != 0:
+            r = sign | ((e + 112) << 23) | (m << 13)
+        elif m == 0:
+            r = sign
+        else:  # subnormal m * 2**-24: normalised
+            shift = 0
+            while (m & 0x400) == 0:
+                m <<= 1
+                shift += 1
+            r = sign | ((113 - shift) << 23) | ((m & 0x3FF) << 13)
+        out[i] = r
+
+
+@njit(**JIT)
+def _fix_half_nans(w, out):
+    """Where the float32 bits w[i] are a NaN, out[i] = the float16 NaN of the same sign whose
+    payload is the top 10 bits of w's (the inverse of :func:`_half_to_single_bits`; the
+    canonical 0x7FC00000 gives 0x7E00). Numbers are left as the rounding wrote them."""
+    for i in range(w.shape[0]):
+        b = np.int64(w[i]) & 0xFFFFFFFF
+        if (b & 0x7FFFFFFF) > 0x7F800000:
+            m = (b >> 13) & 0x3FF
+            if m == 0:  # a payload in the low 13 bits only: still a NaN in float16
+                m = 0x200
+            out[i] = ((b >> 16) & 0x8000) | 0x7C00 | m
+
+
+def widen_half(v):
+    """float16 values as float32, exactly, NaN bits included (a new array)."""
+    out = np.empty(v.shape[0], np.float32)
+    if v.shape[0]:
+        _half_to_single_bits(np.ascontiguousarray(v).view(np.uint16), out.view(np.uint32))
+    return out
+
+
+def narrow_half(w):
+    """float32 values rounded once to float16 (to nearest, ties to even); a NaN keeps its sign
+    and the top 10 bits of its payload, so that ``narrow_half(widen_half(v))`` is v bit for bit
+    and the canonical float32 NaN becomes the canonical float16 one. A new array."""
+    with np.errstate(over="ignore"):
+        out = w.astype(np.float16)
+    if w.shape[0]:
+        _fix_half_nans(w.view(np.uint32), out.view(np.uint16))
+    return out

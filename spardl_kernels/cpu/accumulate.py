@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit
 
 from .. import _validate, config
-from ._common import JIT, as_values, key_view
+from ._common import JIT, as_values, canonical, key_view
 from .select import (
     _bracket,
     _digits,
@@ -30,11 +30,29 @@ from .select import (
 @njit(**JIT)
 def _add(g, e, x, start, stop):
     # slices indexed from 0: Numba then drops the negative-index test and the loop vectorises
+    # (the canonical NaN is a compare and a select: it vectorises too)
     gp = g[start:stop]
     ep = e[start:stop]
     xp = x[start:stop]
     for i in range(stop - start):
-        xp[i] = gp[i] + ep[i]
+        xp[i] = canonical(gp[i] + ep[i])
+
+
+# float16 gradients are widened to float32 in chunks of this many entries (a buffer that stays
+# in cache) before the compiled sum.
+_WIDEN_CHUNK = 1 << 15
+
+
+def _add_widened(g, e, x):
+    """x = float32(g) + e for a float16 g, in cache-sized chunks (Numba has no float16 on the
+    CPU). The widening's NaN payload does not matter: a NaN sum is written canonical."""
+    n = g.shape[0]
+    buf = np.empty(min(n, _WIDEN_CHUNK), np.float32)
+    for lo in range(0, n, _WIDEN_CHUNK):
+        hi = min(n, lo + _WIDEN_CHUNK)
+        w = buf[: hi - lo]
+        np.copyto(w, g[lo:hi])
+        _add(w, e[lo:hi], x[lo:hi], 0, hi - lo)
 
 
 @njit(**JIT)
@@ -71,7 +89,8 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
     Returns
     -------
     x : ndarray of shape (n,), e.dtype
-        g converted exactly to e.dtype, plus e (one rounding per entry).
+        g converted exactly to e.dtype, plus e (one rounding per entry); a NaN sum is the
+        canonical NaN (docs/design.md §3.4).
     indices : int64 ndarray of shape (sum(ks),)
         Absolute positions, block by block, ascending within each block (so ascending).
     values : ndarray of shape (sum(ks),), e.dtype
@@ -88,9 +107,10 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
 
     Notes
     -----
-    The same result as ``x = g.astype(e.dtype) + e`` followed by ``topk_abs(x[lo:hi], ks[b])``
-    (shifted by lo) for every block, bit for bit, under the kernel contract's order
-    (docs/design.md §3: larger |x| first, NaN above +inf, ties to the lower index). Blocks of at
+    The same result as ``x = g.astype(e.dtype) + e`` (a NaN made canonical) followed by
+    ``topk_abs(x[lo:hi], ks[b])`` (shifted by lo) for every block, bit for bit, under the kernel
+    contract's order (docs/design.md §3: larger |x| first, NaN above +inf, ties to the lower
+    index). Blocks of at
     least ``config.WINDOW_MIN_N`` entries select inside the summing loop; float16 gradients,
     small blocks and blocks whose sampled window missed are summed first and then selected by
     :func:`topk_abs`'s own path.
@@ -110,8 +130,10 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
     values = np.empty(total, work)
     fused = g.dtype == work and config.WINDOW_SELECT
     if not fused:
-        with np.errstate(all="ignore"):  # inf + -inf is NaN here as in the fused loop
-            np.add(g, e, out=x, dtype=work)
+        if g.dtype == work:
+            _add(g, e, x, 0, n)
+        else:
+            _add_widened(g, e, x)
     xb, mask, _, nan_key = key_view(x)
     digits = _digits(work)
     lanes = int(config.HIST_LANES)

@@ -26,6 +26,7 @@ from ._common import (
     JIT,
     JIT_PARALLEL,
     as_values,
+    canonical,
     cpu_threads,
     key_view,
     numba_threads,
@@ -270,8 +271,9 @@ def _window_pass(bits, k, mask, nan_key, lo, hi, cap):
 @njit(**JIT)
 def _window_scan(g, e, x, bits, start, stop, summing, k, mask, nan_key, lo, hi, cap):
     """The window pass over [start, stop) of ``bits`` (indices relative to start); with
-    ``summing``, x = g + e is written there first, 64 entries at a time, and ``bits`` is x's
-    memory as integers, so the pass reads each sum while it is still in cache.
+    ``summing``, x = g + e is written there first, 64 entries at a time (a NaN sum as the
+    canonical NaN), and ``bits`` is x's memory as integers, so the pass reads each sum while it
+    is still in cache.
 
     Collecting continues past a full buffer (only counting), so the loop has no early exit: the
     filing code is written out here rather than in a helper, since Numba passes a helper's array
@@ -295,12 +297,12 @@ def _window_scan(g, e, x, bits, start, stop, summing, k, mask, nan_key, lo, hi, 
         if b < full:
             if summing:
                 for l in range(64):
-                    xp[s + l] = gp[s + l] + ep[s + l]
+                    xp[s + l] = canonical(gp[s + l] + ep[s + l])
             m = _hit_mask64(bp, s, lo_t, mask_t)
         else:  # the last, partial block
             if summing:
                 for i in range(s, n):
-                    xp[i] = gp[i] + ep[i]
+                    xp[i] = canonical(gp[i] + ep[i])
             m = _hit_mask(bp, s, n, lo_t, mask_t)
         while m:
             l, m = _low_bit(m)

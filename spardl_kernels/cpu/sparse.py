@@ -1,17 +1,29 @@
 """Sparse-vector kernels on the CPU: merge, coalesce, scatter-add and gather.
 
 Sums are done in a fixed order and in the value dtype (docs/design.md §3): a before b in
-``merge_add``, earlier position first in ``coalesce`` and ``scatter_add``. Numba's CPU target has
-no float16 arithmetic, so float16 values are widened to float32 in NumPy, summed in float32 by
-the same compiled loops, and rounded to float16 once at the end. Copies of values (gather, the
-unmatched entries of a merge) move bit patterns, so -0.0 and NaN payloads survive.
+``merge_add``, earlier position first in ``coalesce`` and ``scatter_add``. A sum that is NaN is
+written as the canonical NaN (§3.4), whatever NaN the hardware made. Numba's CPU target has no
+float16 arithmetic, so float16 values are widened to float32 exactly (bit manipulation, NaN
+payloads kept), summed in float32 by the same compiled loops, and rounded to float16 once at the
+end. Copies of values (gather, the unmatched entries of a merge, a lone occurrence in coalesce)
+move bit patterns, so -0.0 and NaN payloads survive.
 """
 
 import numpy as np
 from numba import njit, prange
 
 from .. import _contract, _validate, config
-from ._common import JIT, JIT_PARALLEL, as_indices, as_values, cpu_threads, numba_threads
+from ._common import (
+    JIT,
+    JIT_PARALLEL,
+    as_indices,
+    as_values,
+    canonical,
+    cpu_threads,
+    narrow_half,
+    numba_threads,
+    widen_half,
+)
 
 # ---------------------------------------------------------------------------------------------
 # compiled workers
@@ -62,9 +74,10 @@ def _merge_run(ia, va, ib, vb, a, a1, b, b1, out_i, out_v, o, last):
         m = min(x, y)
         u = va[a]
         w = vb[b]
-        # v = va[a] + vb[b] if both, else the one taken (copied, not added to 0: keeps -0.0)
+        # v = va[a] + vb[b] if both (a NaN sum canonical), else the one taken (copied, not
+        # added to 0: keeps -0.0 and NaN payloads)
         out_i[o] = m
-        out_v[o] = u + w if (take_a and take_b) else (u if take_a else w)
+        out_v[o] = canonical(u + w) if (take_a and take_b) else (u if take_a else w)
         bad |= m <= last
         last = m
         a += np.uint64(take_a)
@@ -130,9 +143,9 @@ def _merge_two_parts(ia, va, ib, vb, sa, sb, p, out_i, out_v, counts, bad):
         u2 = va[c]
         w2 = vb[d]
         out_i[o] = m1
-        out_v[o] = u1 + w1 if (ta and tb) else (u1 if ta else w1)
+        out_v[o] = canonical(u1 + w1) if (ta and tb) else (u1 if ta else w1)
         out_i[q] = m2
-        out_v[q] = u2 + w2 if (tc and td) else (u2 if tc else w2)
+        out_v[q] = canonical(u2 + w2) if (tc and td) else (u2 if tc else w2)
         bad1 |= m1 <= last1
         bad2 |= m2 <= last2
         last1 = m1
@@ -303,13 +316,14 @@ def _merge_runs(src_i, src_v, dst_i, dst_v, bounds, nruns):
 
 @njit(**JIT)
 def _sum_sorted(idx, val, out_i, out_v):
-    """Sum each run of equal indices of a sorted (idx, val), left to right; the length used."""
+    """Sum each run of equal indices of a sorted (idx, val), left to right (a NaN sum canonical,
+    a lone entry copied); the length used."""
     o = -1
     prev = np.int64(-1)
     for p in range(idx.shape[0]):
         i = np.int64(idx[p])
         if o >= 0 and i == prev:
-            out_v[o] += val[p]
+            out_v[o] = canonical(out_v[o] + val[p])
         else:
             o += 1
             out_i[o] = i
@@ -360,9 +374,11 @@ def _index_range_ok(indices, n):
 
 @njit(**JIT)
 def _scatter_add(dense, indices, values):
-    # dense[indices[j]] += values[j] for j = 0, 1, ... in order (duplicates accumulate)
+    # dense[indices[j]] += values[j] for j = 0, 1, ... in order (duplicates accumulate); a NaN
+    # sum is written as the canonical NaN
     for j in range(indices.shape[0]):
-        dense[indices[j]] += values[j]
+        i = indices[j]
+        dense[i] = canonical(dense[i] + values[j])
 
 
 @njit(**JIT)
@@ -383,8 +399,8 @@ def _gather(dense, indices, out):
 
 
 def _as_sum_dtype(v):
-    """float16 values are summed in float32 (docs/design.md §3)."""
-    return v.astype(np.float32) if v.dtype == np.float16 else v
+    """float16 values are summed in float32 (docs/design.md §3): widened exactly, bit for bit."""
+    return widen_half(v) if v.dtype == np.float16 else v
 
 
 def merge_add(ia, va, ib, vb):
@@ -405,7 +421,8 @@ def merge_add(ia, va, ib, vb):
         The sorted union, max(na, nb) <= m <= na + nb.
     values : ndarray of shape (m,), va.dtype
         ``va + vb`` (in that order) where the indices meet, else the entry's own value, bit for
-        bit. float16 sums are computed in float32 and rounded once.
+        bit. float16 sums are computed in float32 and rounded once. A NaN sum is the canonical
+        NaN (docs/design.md §3.4); an unmatched NaN keeps its payload.
 
     Raises
     ------
@@ -462,9 +479,9 @@ def merge_add(ia, va, ib, vb):
     out_v = out_v[:count]
     if va.dtype == np.float16:
         if count > 0:
-            # Unmatched entries came through float32 unchanged, so the cast back is exact for
-            # them (NaN payloads aside) and rounds the sums once.
-            out_v = out_v.astype(np.float16)
+            # Unmatched entries came through float32 unchanged, so the way back is exact for
+            # them (NaN payloads too), and rounds the sums once.
+            out_v = narrow_half(out_v)
         else:
             out_v = np.empty(0, np.float16)
     return out_i, out_v
@@ -485,7 +502,8 @@ def coalesce(indices, values):
         The distinct indices, ascending.
     values : ndarray of shape (u,), values.dtype
         For each distinct index, its values summed sequentially in order of original position
-        (float16 in float32, rounded once); a single occurrence is copied bit for bit.
+        (float16 in float32, rounded once; a NaN sum is the canonical NaN, docs/design.md §3.4);
+        a single occurrence is copied bit for bit.
 
     Raises
     ------
@@ -508,7 +526,7 @@ def coalesce(indices, values):
     _validate.require(_min_index(indices) >= 0, "indices", "must be non-negative")
     out_i, out_v = _coalesce(indices, _as_sum_dtype(values))
     if values.dtype == np.float16:
-        out_v = out_v.astype(np.float16)
+        out_v = narrow_half(out_v)
     return out_i, out_v
 
 
@@ -539,7 +557,8 @@ def scatter_add(dense, indices, values):
     docs/design.md §3 kernel contract: for each touched i,
     ``dense[i] = ((dense[i] + v_1) + v_2) ...`` with v_1, v_2, ... the values aimed at i in
     position order, in the value dtype. For float16 the whole chain for one i runs in float32 and
-    is rounded to float16 once.
+    is rounded to float16 once. A touched entry that ends NaN is the canonical NaN (§3.4);
+    untouched entries keep their bits.
     """
     target = dense
     dense = as_values("dense", dense)
@@ -559,7 +578,7 @@ def scatter_add(dense, indices, values):
         touched, where = np.unique(indices, return_inverse=True)
         acc = dense[touched].astype(np.float32)
         _scatter_add(acc, where.reshape(-1), values.astype(np.float32))
-        dense[touched] = acc.astype(np.float16)
+        dense[touched] = narrow_half(acc)
     else:
         _scatter_add(dense, indices, values)
     return target

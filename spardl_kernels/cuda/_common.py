@@ -1,5 +1,6 @@
 """Host-side helpers of the CUDA kernels: coercion to device arrays, launch sizes, and the small
-kernels every family uses (casts, arange, min/max and order checks, the device exclusive scan).
+kernels every family uses (casts, exact float16 <-> float32 conversions, the canonical NaN,
+arange, min/max and order checks, the device exclusive scan).
 
 Launch parameters are read from :mod:`spardl_kernels.config` at call time; kernels that need
 them at compile time (shared-memory sizes) are built by cached factories keyed on those values,
@@ -170,6 +171,71 @@ def _first_violation(idx, strict, res):
             bad = idx[i - 1] > idx[i]
         if bad:
             cuda.atomic.min(res, 0, int64(i))
+
+
+@cuda.jit
+def _half_to_single_bits(h, out):
+    # out[i] = the float32 bits of the float16 with bits h[i], exactly, NaN payloads and
+    # signalling NaNs kept (the CPU's cpu._common._half_to_single_bits, in integers only)
+    for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        b = int64(h[i]) & 0xFFFF
+        sign = (b & 0x8000) << 16
+        e = (b >> 10) & 0x1F
+        m = b & 0x3FF
+        if e == 0x1F:
+            r = sign | 0x7F800000 | (m << 13)
+        elif e != 0:
+            r = sign | ((e + 112) << 23) | (m << 13)
+        elif m == 0:
+            r = sign
+        else:
+            shift = 0
+            while (m & 0x400) == 0:
+                m <<= 1
+                shift += 1
+            r = sign | ((113 - shift) << 23) | ((m & 0x3FF) << 13)
+        out[i] = r
+
+
+@cuda.jit
+def _single_to_half(w, wbits, out, out_bits):
+    # out[i] = w[i] rounded to float16 (to nearest, ties to even); a NaN keeps its sign and the
+    # top 10 bits of its payload, written as bits (cpu._common.narrow_half)
+    for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        b = int64(wbits[i]) & 0xFFFFFFFF
+        if (b & 0x7FFFFFFF) > 0x7F800000:
+            m = (b >> 13) & 0x3FF
+            if m == 0:
+                m = 0x200
+            out_bits[i] = ((b >> 16) & 0x8000) | 0x7C00 | m
+        else:
+            out[i] = w[i]
+
+
+def widen_half(a):
+    """float16 device values as a new float32 device array, exactly (NaN bits included)."""
+    m = a.shape[0]
+    out = empty(m, np.float32)
+    if m:
+        launch(_half_to_single_bits, m)(bits_of(a), out.view(np.uint32))
+    return out
+
+
+def narrow_half(w):
+    """float32 device values rounded once to float16, NaN bits as :func:`widen_half`'s inverse
+    (the canonical float32 NaN becomes the canonical float16 one): a new device array."""
+    m = w.shape[0]
+    out = empty(m, np.float16)
+    if m:
+        launch(_single_to_half, m)(w, bits_of(w), out, out.view(np.uint16))
+    return out
+
+
+def canonical_nan(dtype):
+    """The canonical NaN of ``dtype`` as a NumPy scalar of that dtype (its bits are
+    ``_contract.CANONICAL_NAN_BITS``): passed to the kernels that write it, so that it reaches
+    memory as bits, never through a conversion."""
+    return _contract.canonical_nan_bits(dtype).view(np.dtype(dtype))
 
 
 def cast(a, dtype):

@@ -16,10 +16,15 @@ from .select import topk_abs
 
 
 @cuda.jit
-def _sum_into(g, e, x):
-    # x[i] = g[i] + e[i], one IEEE rounding (g already in e's dtype)
+def _sum_into(g, e, x, nan):
+    # x[i] = g[i] + e[i], one IEEE rounding (g already in e's dtype); a NaN sum is written as
+    # `nan` (the canonical NaN of x's dtype)
     for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
-        x[i] = g[i] + e[i]
+        r = g[i] + e[i]
+        if r != r:
+            x[i] = nan
+        else:
+            x[i] = r
 
 
 @cuda.jit
@@ -77,7 +82,8 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
 
     Notes
     -----
-    docs/design.md §3: the same result as the CPU kernel, bit for bit.
+    docs/design.md §3: the same result as the CPU kernel, bit for bit (a NaN in x is the
+    canonical NaN, §3.4).
     """
     g = C.as_values("g", g)
     e = C.as_values("e", e)
@@ -92,7 +98,7 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
         _validate.check_accumulate_out(x.shape, x.dtype, n, work, True, overlaps)
     if n:
         gw = g if gdt == work else C.cast(g, work)  # float16 -> float32 is exact
-        C.launch(_sum_into, n)(gw, e, x)
+        C.launch(_sum_into, n)(gw, e, x, C.canonical_nan(work))
     total = int(ks.sum())
     indices = C.empty(total, np.int64)
     values = C.empty(total, work)

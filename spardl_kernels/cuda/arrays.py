@@ -2,7 +2,9 @@
 collective layer, through ``spardl._arrays``): the few elementwise operations an allreducer does
 on its per-step buffers (X = g + E, setting and zeroing positions, index shifts, casts, packing).
 They are not kernels of the contract and have no CPU twin here: on the host they are one NumPy
-expression each.
+expression each. The exceptions are ``divide_count_nonfinite`` and
+``canonical_count_nonfinite``, the dense allreducer's pass, whose host twins are in
+:mod:`spardl_kernels.cpu.arrays` (same bits, the canonical NaN of docs/design.md §3.4).
 
 Every function takes and returns Numba device arrays (or objects exposing
 ``__cuda_array_interface__``, wrapped zero-copy) and runs on the GPU or the CUDA simulator.
@@ -16,6 +18,7 @@ import math
 import numpy as np
 from numba import cuda, int64
 
+from .. import _validate
 from . import _common as C
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +123,38 @@ def _count_nonfinite(a, res):
     c = 0
     for i in range(cuda.grid(1), a.shape[0], cuda.gridsize(1)):
         if math.isinf(a[i]) or math.isnan(a[i]):
+            c += 1
+    if c:
+        cuda.atomic.add(res, 0, c)
+
+
+@cuda.jit
+def _divide_count_nonfinite(x, s, nan, res):
+    # x = x / s in place, a NaN quotient written as `nan`; res[0] += #{NaN or ±inf quotients}
+    c = 0
+    for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        v = x[i] / s
+        if v != v:
+            x[i] = nan
+            c += 1
+        else:
+            x[i] = v
+            if math.isinf(v):
+                c += 1
+    if c:
+        cuda.atomic.add(res, 0, c)
+
+
+@cuda.jit
+def _canonical_count_nonfinite(x, nan, res):
+    # res[0] += #{NaN or ±inf}, every NaN rewritten as `nan`
+    c = 0
+    for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        v = x[i]
+        if v != v:
+            x[i] = nan
+            c += 1
+        elif math.isinf(v):
             c += 1
     if c:
         cuda.atomic.add(res, 0, c)
@@ -303,3 +338,62 @@ def shift_into(out, a, c):
     if a.shape[0]:
         C.launch(_shift, a.shape[0])(view(a), int64(c), out)
     return out
+
+
+def _work_array(x):
+    x = view(x)
+    _validate.check_work_array("x", x.ndim, x.dtype, True)
+    return x
+
+
+def _launch_count(kernel, x, *args):
+    res = cuda.to_device(np.zeros(1, np.int64))
+    if x.shape[0]:
+        C.launch(kernel, x.shape[0])(x, *args, C.canonical_nan(x.dtype), res)
+    return int(res.copy_to_host()[0])
+
+
+def divide_count_nonfinite(x, s):
+    """``x /= s`` in place on the device, and the number of NaN and ±inf quotients.
+
+    The twin of :func:`spardl_kernels.cpu.arrays.divide_count_nonfinite` (same arguments,
+    errors and bits: IEEE division in x's dtype, a NaN quotient written as the canonical NaN of
+    docs/design.md §3.4). One kernel and one integer copied back.
+
+    Parameters
+    ----------
+    x : device array of shape (n,), float32 or float64
+    s : real number, finite and non-zero
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    TypeError, ValueError
+        As the CPU function.
+    """
+    x = _work_array(x)
+    s = np.dtype(x.dtype).type(_validate.check_divisor(s))
+    return _launch_count(_divide_count_nonfinite, x, s)
+
+
+def canonical_count_nonfinite(x):
+    """The number of NaN and ±inf entries of a device array, every NaN rewritten as the
+    canonical NaN: the twin of :func:`spardl_kernels.cpu.arrays.canonical_count_nonfinite`.
+
+    Parameters
+    ----------
+    x : device array of shape (n,), float32 or float64
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    TypeError, ValueError
+        As the CPU function.
+    """
+    return _launch_count(_canonical_count_nonfinite, _work_array(x))

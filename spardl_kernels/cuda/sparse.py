@@ -2,9 +2,10 @@
 
 CUDA twins of :mod:`spardl_kernels.cpu.sparse`. Sums follow the CPU's fixed order (a before b
 in ``merge_add``, earlier position first in ``coalesce`` and ``scatter_add``) and dtype (float16
-values are widened to float32, summed, and rounded once), so results agree bit for bit. No float
-atomics anywhere: every output value is summed by one thread in the fixed order; only integer
-counts use atomics.
+values are widened to float32 exactly, summed, and rounded once), so results agree bit for bit.
+A sum that is NaN is written as the canonical NaN, passed in as a scalar of the output dtype and
+stored without a conversion (a GPU's own NaN differs from x86's). No float atomics anywhere:
+every output value is summed by one thread in the fixed order; only integer counts use atomics.
 """
 
 import functools
@@ -68,8 +69,9 @@ def _heads(sorted_idx, head):
 
 
 @cuda.jit
-def _merge_write(mi, msrc, va, vb, pos, out_i, out_v):
-    # out_v = va[i] + vb[j] (in that order) where a pair meets, else the entry's own value
+def _merge_write(mi, msrc, va, vb, pos, out_i, out_v, nan):
+    # out_v = va[i] + vb[j] (in that order; a NaN sum written as `nan`) where a pair meets,
+    # else the entry's own value
     N = mi.shape[0]
     for p in range(cuda.grid(1), N, cuda.gridsize(1)):
         if p == 0 or mi[p] != mi[p - 1]:
@@ -77,7 +79,11 @@ def _merge_write(mi, msrc, va, vb, pos, out_i, out_v):
             s = msrc[p]
             out_i[o] = mi[p]
             if p + 1 < N and mi[p + 1] == mi[p]:
-                out_v[o] = va[s] + vb[-msrc[p + 1] - 1]
+                r = va[s] + vb[-msrc[p + 1] - 1]
+                if r != r:
+                    out_v[o] = nan
+                else:
+                    out_v[o] = r
             elif s >= 0:
                 out_v[o] = va[s]
             else:
@@ -85,8 +91,9 @@ def _merge_write(mi, msrc, va, vb, pos, out_i, out_v):
 
 
 @cuda.jit
-def _segment_sums(sidx, spos, values, pos, out_i, out_v):
-    # One thread per run of equal indices: out_v = ((v_1 + v_2) + v_3) ... in position order
+def _segment_sums(sidx, spos, values, pos, out_i, out_v, nan):
+    # One thread per run of equal indices: out_v = ((v_1 + v_2) + v_3) ... in position order; a
+    # NaN sum is written as `nan`, a lone value is copied
     m = sidx.shape[0]
     for p in range(cuda.grid(1), m, cuda.gridsize(1)):
         i = sidx[p]
@@ -98,7 +105,10 @@ def _segment_sums(sidx, spos, values, pos, out_i, out_v):
                 q += 1
             o = pos[p]
             out_i[o] = i
-            out_v[o] = acc
+            if q > p + 1 and acc != acc:
+                out_v[o] = nan
+            else:
+                out_v[o] = acc
 
 
 @functools.cache
@@ -106,9 +116,10 @@ def _scatter_kernel(half):
     widen = _gpu_to_f32 if half else _gpu_same
 
     @cuda.jit
-    def scatter_runs(dense, sidx, spos, values):
+    def scatter_runs(dense, sidx, spos, values, nan):
         # One thread per run of equal indices i: dense[i] = ((dense[i] + v_1) + v_2) ... in
-        # position order (float16: the chain in float32, rounded once on the store)
+        # position order (float16: the chain in float32, rounded once on the store); a NaN sum
+        # is written as `nan`, of dense's dtype, so no conversion touches it
         m = sidx.shape[0]
         for p in range(cuda.grid(1), m, cuda.gridsize(1)):
             i = sidx[p]
@@ -118,7 +129,10 @@ def _scatter_kernel(half):
                 while q < m and sidx[q] == i:
                     acc += values[spos[q]]
                     q += 1
-                dense[i] = acc
+                if acc != acc:
+                    dense[i] = nan
+                else:
+                    dense[i] = acc
 
     return scatter_runs
 
@@ -135,12 +149,14 @@ def _gather(dense_bits, indices, out):
 
 
 def _sum_values(v):
-    """float16 values are summed in float32 (docs/design.md §3); others in their own dtype."""
-    return C.cast(v, np.float32) if v.dtype == np.float16 else v
+    """float16 values are summed in float32 (docs/design.md §3), widened exactly; others in their
+    own dtype."""
+    return C.widen_half(v) if v.dtype == np.float16 else v
 
 
 def _back(v, dtype):
-    return C.cast(v, dtype) if v.dtype != dtype else v
+    """Sums back in the value dtype: float16 rounded once, NaN bits as the CPU's narrow_half."""
+    return C.narrow_half(v) if v.dtype != dtype else v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,8 +181,9 @@ def merge_add(ia, va, ib, vb):
     indices : Numba device array of shape (m,), int64 (int32 if both ia and ib are int32)
         The sorted union, max(na, nb) <= m <= na + nb.
     values : Numba device array of shape (m,), va.dtype
-        ``va + vb`` (in that order) where the indices meet, else the entry's own value.
-        float16 sums are computed in float32 and rounded once.
+        ``va + vb`` (in that order) where the indices meet, else the entry's own value, bit for
+        bit. float16 sums are computed in float32 and rounded once. A NaN sum is the canonical
+        NaN (docs/design.md §3.4), as on the CPU.
 
     Raises
     ------
@@ -211,7 +228,7 @@ def merge_add(ia, va, ib, vb):
     wa, wb = _sum_values(va), _sum_values(vb)
     out_i = C.empty(m, idt)
     out_v = C.empty(m, wa.dtype)
-    C.launch(_merge_write, N)(mi, msrc, wa, wb, pos, out_i, out_v)
+    C.launch(_merge_write, N)(mi, msrc, wa, wb, pos, out_i, out_v, C.canonical_nan(wa.dtype))
     return out_i, _back(out_v, va.dtype)
 
 
@@ -230,7 +247,8 @@ def coalesce(indices, values):
         The distinct indices, ascending.
     values : Numba device array of shape (u,), values.dtype
         Per distinct index, its values summed sequentially in order of original position
-        (float16 in float32, rounded once).
+        (float16 in float32, rounded once; a NaN sum is the canonical NaN); a single occurrence
+        is copied bit for bit.
 
     Raises
     ------
@@ -262,7 +280,7 @@ def coalesce(indices, values):
     w = _sum_values(values)
     out_i = C.empty(u, indices.dtype)
     out_v = C.empty(u, w.dtype)
-    C.launch(_segment_sums, m)(sidx, spos, w, pos, out_i, out_v)
+    C.launch(_segment_sums, m)(sidx, spos, w, pos, out_i, out_v, C.canonical_nan(w.dtype))
     return out_i, _back(out_v, values.dtype)
 
 
@@ -294,10 +312,9 @@ def scatter_add(dense, indices, values):
     Notes
     -----
     docs/design.md §3 kernel contract: ``dense[i] = ((dense[i] + v_1) + v_2) ...`` in position
-    order,
-    float16 chains in float32 rounded once. Deterministic without float atomics: a stable sort of
-    (index, position) groups each index's values in order, and one thread per distinct index
-    runs its chain.
+    order, float16 chains in float32 rounded once; a NaN result is the canonical NaN (§3.4).
+    Deterministic without float atomics: a stable sort of (index, position) groups each index's
+    values in order, and one thread per distinct index runs its chain.
     """
     if not (C.is_numba_device_array(dense) or hasattr(dense, "__cuda_array_interface__")):
         from .. import cpu
@@ -317,7 +334,9 @@ def scatter_add(dense, indices, values):
         return target
     sidx, spos = sort_with_positions(indices, n - 1)
     half = dense.dtype == np.float16
-    C.launch(_scatter_kernel(bool(half)), m)(dense, sidx, spos, _sum_values(values))
+    C.launch(_scatter_kernel(bool(half)), m)(
+        dense, sidx, spos, _sum_values(values), C.canonical_nan(dense.dtype)
+    )
     return target
 
 

@@ -1,0 +1,101 @@
+"""Host array passes besides the thirteen kernels, for code built on them (``spardl``'s
+collective layer): the fused division-and-count that ends a dense allreduce.
+
+Not kernels of the contract (docs/design.md §3.5): they are in-place passes of one allreducer
+over a dense work vector, not operations on sparse vectors, so ``spardl_kernels`` does not
+dispatch them. Their device twins live in :mod:`spardl_kernels.cuda.arrays`, with the same bits:
+IEEE division in x's dtype, and every NaN written as the canonical NaN (§3.4).
+"""
+
+import numpy as np
+from numba import njit
+
+from .. import _validate
+from ._common import JIT, as_array, canonical
+
+
+@njit(**JIT)
+def _divide_count_nonfinite(x, s):
+    c = 0
+    for i in range(x.shape[0]):
+        v = canonical(x[i] / s)
+        x[i] = v
+        c += not (abs(v) < np.inf)
+    return c
+
+
+@njit(**JIT)
+def _canonical_count_nonfinite(x):
+    c = 0
+    for i in range(x.shape[0]):
+        v = x[i]
+        c += not (abs(v) < np.inf)
+        if v != v:  # rare: the pass stays read-only on finite data
+            x[i] = canonical(v)
+    return c
+
+
+def _work_array(x):
+    a = as_array(x, "x")
+    _validate.check_work_array("x", a.ndim, a.dtype, a.flags.writeable)
+    return a
+
+
+def divide_count_nonfinite(x, s):
+    """``x /= s`` in place, and the number of NaN and ±inf entries of the result, in one pass.
+
+    Parameters
+    ----------
+    x : ndarray of shape (n,), float32 or float64, writeable
+        Summed values (a dense allreduce's sum over P ranks); overwritten with x / s.
+    s : real number, finite and non-zero
+        The divisor (P for a mean), converted once to x's dtype.
+
+    Returns
+    -------
+    int
+        The number of entries of the quotient that are NaN or ±inf.
+
+    Raises
+    ------
+    TypeError
+        x not float32/float64, or s not a real number (bool included).
+    ValueError
+        x not 1-D or read-only; s zero or not finite.
+
+    Notes
+    -----
+    IEEE division in x's dtype, as NumPy's ``x / x.dtype.type(s)``; a NaN quotient (whatever NaN
+    the summation produced) is written as the canonical NaN (docs/design.md §3.4), so a dense
+    mean is the same bits on every machine.
+    """
+    x = _work_array(x)
+    s = x.dtype.type(_validate.check_divisor(s))
+    return int(_divide_count_nonfinite(x, s))
+
+
+def canonical_count_nonfinite(x):
+    """The number of NaN and ±inf entries of x, every NaN rewritten as the canonical NaN, in one
+    pass (writes only where x is NaN).
+
+    Parameters
+    ----------
+    x : ndarray of shape (n,), float32 or float64, writeable
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    TypeError
+        x not float32/float64.
+    ValueError
+        x not 1-D or read-only.
+
+    Notes
+    -----
+    docs/design.md §3.4: a dense allreduce's sum keeps no NaN payload of the MPI library's.
+    """
+    x = _work_array(x)
+    return int(_canonical_count_nonfinite(x))
