@@ -87,7 +87,8 @@ def _radix_kernels(TPB, BINS):
 
 
 @functools.cache
-def _compact_kernels(TPB, ITEMS):
+def _count_tiles_kernel(TPB, ITEMS):
+    """The first compaction kernel for blocks of TPB threads and tiles of TPB * ITEMS keys."""
     TILE = TPB * ITEMS
 
     @cuda.jit
@@ -119,6 +120,36 @@ def _compact_kernels(TPB, ITEMS):
                 cnt_gt[tile] = sh[0]
                 cnt_eq[tile] = sh[1]
             cuda.syncthreads()
+
+    return count_tiles
+
+
+@cuda.jit(device=True)
+def _gpu_write_run(flags, first, items, start, bits, gr, er, ties, out_idx, out_bits):
+    """Write one thread's run flags[first:first + items] of a tile that starts at index
+    ``start``: a key > T (flag 1) goes to gr + min(er, ties), a key == T (flag 2) to gr + er
+    while er < ties; gr and er are the counts of each kind before the run."""
+    for j in range(items):
+        local = first + j
+        f = flags[local]
+        i = start + local
+        if f == 1:
+            pos = gr + min(er, ties)
+            out_idx[pos] = i
+            out_bits[pos] = bits[i]
+            gr += 1
+        elif f == 2:
+            if er < ties:
+                pos = gr + er
+                out_idx[pos] = i
+                out_bits[pos] = bits[i]
+            er += 1
+
+
+@functools.cache
+def _write_tiles_kernel(TPB, ITEMS):
+    """The second compaction kernel (same TPB and ITEMS as :func:`_count_tiles_kernel`)."""
+    TILE = TPB * ITEMS
 
     @cuda.jit
     def write_tiles(bits, mask, nan_key, state, off_gt, off_eq, out_idx, out_bits):
@@ -157,24 +188,16 @@ def _compact_kernels(TPB, ITEMS):
             before, _ = _gpu_block_exclusive_scan(sh, tid, TPB, (g << 32) | e)
             gr = off_gt[tile] + (before >> 32)
             er = off_eq[tile] + (before & _M32)
-            for j in range(ITEMS):
-                local = tid * ITEMS + j
-                f = flags[local]
-                i = start + local
-                if f == 1:
-                    pos = gr + min(er, ties)
-                    out_idx[pos] = i
-                    out_bits[pos] = bits[i]
-                    gr += 1
-                elif f == 2:
-                    if er < ties:
-                        pos = gr + er
-                        out_idx[pos] = i
-                        out_bits[pos] = bits[i]
-                    er += 1
+            _gpu_write_run(flags, tid * ITEMS, ITEMS, start, bits, gr, er, ties, out_idx, out_bits)
             cuda.syncthreads()
 
-    return count_tiles, write_tiles, TILE
+    return write_tiles
+
+
+def _compact_kernels(TPB, ITEMS):
+    """(count_tiles, write_tiles, TILE) of the count/scan/write compaction for blocks of TPB
+    threads and tiles of TILE = TPB * ITEMS keys (each kernel cached per launch shape)."""
+    return _count_tiles_kernel(TPB, ITEMS), _write_tiles_kernel(TPB, ITEMS), TPB * ITEMS
 
 
 @cuda.jit
