@@ -40,7 +40,29 @@ CONFIGS = {
     "gaussiank": ["--algorithm", "gaussiank"],
     "topkdsa": ["--algorithm", "topkdsa"],
     "spardl-d2": ["--algorithm", "spardl", "--teams", "2"],
+    # Deep Gradient Compression's techniques on SparDL (spardl.torch; arXiv 1712.01887 §3.2-3.3),
+    # one at a time and together; "dgc" = momentum correction with factor masking, local
+    # clipping and the density warm-up. --clip-norm and --density-warmup set their parameters.
+    "spardl-mc": ["--algorithm", "spardl", "--momentum-correction"],
+    "spardl-mc-nomask": ["--algorithm", "spardl", "--momentum-correction", "--no-factor-masking"],
+    "spardl-clip": ["--algorithm", "spardl", "@clip"],
+    "spardl-warmup": ["--algorithm", "spardl", "@warmup"],
+    "spardl-dgc": ["--algorithm", "spardl", "--momentum-correction", "@clip", "@warmup"],
+    "oktopk-dgc": ["--algorithm", "oktopk", "--momentum-correction", "@clip", "@warmup"],
 }
+
+
+def expand(config: list[str], clip_norm: float, density_warmup: int) -> list[str]:
+    """A config's ``spardl train`` arguments with ``@clip`` / ``@warmup`` filled in."""
+    out = []
+    for a in config:
+        if a == "@clip":
+            out += ["--clip-norm", str(clip_norm)]
+        elif a == "@warmup":
+            out += ["--density-warmup", str(density_warmup)]
+        else:
+            out.append(a)
+    return out
 
 
 def time_to(history: list[dict], target: float) -> float | None:
@@ -143,6 +165,20 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="lm: default: the train default")
     p.add_argument("--eval-every", type=int, default=None, help="lm: default: the train default")
     p.add_argument("--width", type=int, default=None, help="model width (default: the train one)")
+    p.add_argument("--batch-size", type=int, default=None, help="per rank (default: the train one)")
+    p.add_argument(
+        "--clip-norm",
+        type=float,
+        default=4.0,
+        help="C of the configs with local clipping (default: %(default)s: each rank's gradient "
+        "is clipped to C/sqrt(P); the digits CNN's per-rank gradient norm is about 2)",
+    )
+    p.add_argument(
+        "--density-warmup",
+        type=int,
+        default=46,
+        help="steps of the density warm-up in the configs that have one (default: %(default)s)",
+    )
     p.add_argument("--bandwidth", default=None, help="run on emulated nodes with this link rate")
     p.add_argument("--out", type=Path, default=Path("runs/bench-training"))
     p.add_argument("--timeout", type=float, default=900)
@@ -156,7 +192,7 @@ def main(argv=None) -> int:
             train_args = [
                 "--task",
                 args.task,
-                *CONFIGS[label],
+                *expand(CONFIGS[label], args.clip_norm, args.density_warmup),
                 "--density",
                 str(args.density),
                 "--seed",
@@ -167,7 +203,7 @@ def main(argv=None) -> int:
             ]
             if args.epochs is not None:
                 train_args += ["--epochs", str(args.epochs)]
-            for name in ("width", "steps", "eval_every"):
+            for name in ("width", "batch_size", "steps", "eval_every"):
                 if getattr(args, name) is not None:
                     train_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
             job_s = launch_train(args.world_size, train_args, args.timeout, args.bandwidth)
