@@ -1,14 +1,19 @@
 """`oktopk`: Ok-Topk's O(k) sparse allreduce (Li & Hoefler, PPoPP 2022, arXiv 2201.07598).
 
-The steps of the paper's Algorithm 1, one method each:
+:meth:`OkTopk._reduce` is the paper's Algorithm 1, one method per step:
 
-1. local top-k with a threshold reused between exact recomputations (``spardl.selection``);
-2. space repartition: P contiguous regions at the averaged P-quantiles of the ranks' selected
-   indices, recomputed every τ steps;
-3. split and reduce: the selected entries of region j go to rank j, destinations rotated;
-4. global threshold re-evaluated every τ' steps on the reduced regions, reused in between;
-5. balance and allgatherv: owners keep what passes the global threshold, redistribute it so
-   every rank holds the same number of entries, and all-gather.
+1. lines 1-3, local top-k with a threshold re-evaluated every τ' steps (:meth:`_local_topk`);
+2. lines 4-6, space repartition every τ steps: P contiguous regions at the averaged
+   P-quantiles of the ranks' selected indices (:meth:`_space_repartition`);
+3. line 7, split and reduce: region j's selected entries go to rank j, destinations rotated
+   (:meth:`_split_and_reduce`);
+4. lines 8-10, the global threshold re-evaluated every τ' steps on the reduced regions
+   (:meth:`_global_threshold_of_step`, :meth:`_global_threshold`);
+5. line 11, balance and allgatherv: owners keep what passes the global threshold, redistribute
+   it so every rank holds the same number of entries, and all-gather (:meth:`_balance`,
+   :meth:`_allgather`);
+6. line 12 and Algorithm 2, the residual: zeroed where this rank's local top-k meets the
+   output (:meth:`_residual_after`).
 """
 
 from __future__ import annotations
@@ -84,17 +89,44 @@ class OkTopk(Allreducer):
     reuse), Sec. 3.1.2 (balance and allgatherv), Eq. 1-3 (cost ≤ (2P + 2 log P)α + 6k(P−1)/P β),
     Algorithm 2 (residuals zeroed on local ∩ global top-k indices).
 
-    Where this module chooses (the paper leaves it open or its code does otherwise):
+    Deviations from the paper, each with its reason:
 
-    * global threshold re-evaluation: each owner contributes the magnitudes of its top-k reduced
-      entries (zero padded to k) to one fixed-size all-gather; the k-th largest of those is the
-      exact k-th largest reduced magnitude overall, so re-evaluation steps output exactly the
-      global top-k of the reduced sums (plus ties). The authors' code all-gathers every reduced
-      (index, value) pair instead;
-    * regions: the integer mean (floor) of the ranks' boundaries; a rank that selected nothing
-      contributes uniform boundaries;
-    * the owners sum received entries in rank order 0 … P−1 (not arrival order), so results do
-      not depend on the rotation and are bit-identical run to run.
+    * **thresholds move between re-evaluations.** The paper reuses the local and the global
+      threshold unchanged for τ' steps. Here both are nudged towards k survivors,
+      t ← t·clip(((c+1)/(k+1))^γ, 1/2, 2) with c the count that passed it: the local one
+      after each call that reused it, γ = 0.5 (:class:`~spardl.selection.ThresholdSelector`),
+      the global one after every step (re-evaluation steps included) for the next, with
+      c = M, the output size, and γ = :data:`GLOBAL_NUDGE` = 0.1. A gradient whose scale
+      drifts would otherwise select far more or far fewer than k entries until the next
+      re-evaluation, and message sizes would grow with it;
+    * **exact fallbacks.** A local threshold that would pass more than ⌈1.25·k⌉ entries is
+      replaced by the exact top-k that step (receive buffers are sized for that many); a
+      threshold that is not finite and positive (all-zero or non-finite data) is never reused;
+      and at density 1 (k = n) every entry is selected and the global threshold is 0, so the
+      output is the exact mean whatever the thresholds guessed before;
+    * **global re-evaluation by one fixed-size all-gather.** Each owner contributes the
+      magnitudes of its top-k reduced entries (zero padded to k); the k-th largest of those
+      is the exact k-th largest reduced magnitude overall, so re-evaluation steps output
+      exactly the global top-k of the reduced sums (plus ties), in one message of known size.
+      The authors' code all-gathers every reduced (index, value) pair instead. A NaN
+      threshold (NaN data) becomes 0: every reduced entry is kept and the non-finite policy
+      of the base class decides. The global threshold is also re-evaluated whenever none is
+      known (the first step, after a density change or after loading a state without one);
+    * **regions.** The boundaries are the integer mean (floor) of the ranks' P-quantiles of
+      their selected indices, summed exactly in int64 so every rank gets the same integers;
+      a rank that selected nothing contributes uniform boundaries. They are also computed
+      when none are known (after loading a state without them);
+    * **fixed reduction order.** Owners sum the received entries in rank order 0 … P−1, not
+      in arrival (rotation) order, so results are bit-identical run to run and on every rank;
+    * **the allgatherv is an all-gather** ("coo"): chunks differ by at most one entry after
+      balancing, so each is padded to ⌈M/P⌉ pairs and one fixed-size all-gather replaces the
+      size exchange and the allgatherv. "compact" messages differ in size and use the
+      allgatherv;
+    * **the residual keeps the wire's rounding.** Algorithm 2 zeroes the residual on
+      local ∩ global indices; here E = X − sent there, which is the same zero with "coo"
+      (what is sent is X itself) and keeps the 16-bit rounding of "compact" messages, so the
+      conservation invariant holds for both wires. ``residual="local"`` (an ablation) zeroes
+      every locally selected entry, as plain error feedback does.
 
     GPU gradients keep X, the selections, the reduced regions and the residual on the device;
     region boundaries, counts and thresholds are host scalars.
@@ -132,14 +164,9 @@ class OkTopk(Allreducer):
         return np.array([self.k]), np.array([0, self.n])
 
     def _reduce(self, x: np.ndarray) -> Reduced:
-        dev = A.is_device(x)
+        """One step of Algorithm 1, its lines in order (the method of each says which)."""
         with self.comm.phase("select"):
-            if self.k == self.n:
-                # Density 1 drops nothing: no threshold may guess otherwise (cases C6, C9).
-                sel_idx, sel_val = A.arange(self.n, dev), A.copy(x)
-            else:
-                pre = self._preselected(0, self.k)
-                sel_idx, sel_val = pre if pre is not None else self.selector.select(x, self.k)
+            sel_idx, sel_val = self._local_topk(x)
         with self.comm.phase("split_reduce"):
             bounds = self.bounds
             if bounds is None or self.step % self.tau == 0:
@@ -147,11 +174,7 @@ class OkTopk(Allreducer):
             sent = []  # (indices, values, decoded) of the pieces sent to the owners
             red_idx, red_val = self._split_and_reduce(sel_idx, sel_val, bounds, sent)
         with self.comm.phase("global_threshold"):
-            th = self.global_threshold
-            if self.k == self.n:
-                th = 0.0  # keep every reduced entry; the schedule of messages stays the same
-            if self.step % self.tau_prime == 0 or not math.isfinite(th):
-                th = self._global_threshold(red_val)
+            th = self._global_threshold_of_step(red_val)
             keep_idx, keep_val = K.select_above(red_val, th)
             keep_idx = A.take(red_idx, keep_idx)
         forwarded = []  # the same, of the reduced entries this rank sends on
@@ -159,21 +182,33 @@ class OkTopk(Allreducer):
             counts, bal_idx, bal_val = self._balance(keep_idx, keep_val, forwarded)
         with self.comm.phase("allgather"):
             out_idx, out_val = self._allgather(bal_idx, bal_val, counts, forwarded)
-
-        residual = self._residual_after(x, sel_idx, sel_val, out_idx)
-        # What the wire rounded off stays here ("compact"; nothing for "coo"): a selected
-        # entry's where it counted (all of X stays where it did not), and the whole remainder
-        # of every reduced entry forwarded (they all reach the output).
-        mode = self.residual_mode
-        reached = out_idx if mode == "global" else None
-        for i, v, q in sent:
-            keep_remainder(residual, i, v, q, mode, members=reached)
-        for i, v, q in forwarded:
-            keep_remainder(residual, i, v, q, mode)
-        # A step the base class does not apply (non-finite output) is rolled back there.
+        residual = self._residual_after(x, sel_idx, sel_val, out_idx, sent, forwarded)
+        # State for the next step, only now: a step the base class does not apply (non-finite
+        # output) is rolled back there from its snapshot.
         self.bounds = bounds
         self.global_threshold = self._nudge(th, int(counts.sum()))
         return Reduced(out_idx, out_val, residual)
+
+    def _local_topk(self, x):
+        """Algorithm 1, lines 1-3: this rank's local top-k of X, by the local threshold reused
+        between exact re-evaluations every τ' steps (:class:`~spardl.selection.ThresholdSelector`)
+        or exactly (``selector="exact"``). Returns int64 indices (ascending) and X's values."""
+        if self.k == self.n:
+            # Density 1 drops nothing: no reused threshold may leave an entry out.
+            return A.arange(self.n, A.is_device(x)), A.copy(x)
+        pre = self._preselected(0, self.k)  # the exact top-k made while accumulating X
+        return pre if pre is not None else self.selector.select(x, self.k)
+
+    def _global_threshold_of_step(self, red_val) -> float:
+        """Algorithm 1, lines 8-10: the global threshold, re-evaluated on the reduced regions
+        every τ' steps (and whenever none is known: the first step, after a density change or
+        a load), else the one carried over (nudged by :meth:`_nudge`)."""
+        th = self.global_threshold
+        if self.k == self.n:
+            th = 0.0  # keep every reduced entry; the schedule of messages stays the same
+        if self.step % self.tau_prime == 0 or not math.isfinite(th):
+            th = self._global_threshold(red_val)
+        return th
 
     def _space_repartition(self, sel_idx):
         """P+1 region boundaries: the mean of every rank's P-quantiles of its selected indices."""
@@ -322,16 +357,31 @@ class OkTopk(Allreducer):
             A.concat([c[1][: sizes[q]] for q, c in enumerate(chunks)], vdt, dev),
         )
 
-    def _residual_after(self, x, sel_idx, sel_val, out_idx):
-        """E_new (Algorithm 2): X minus what this rank contributed, where it counted. Written
-        into X itself: the step owns it (the base class never hands in a buffer anyone else
-        holds), and a step that is not applied keeps the old residual."""
+    def _residual_after(self, x, sel_idx, sel_val, out_idx, sent, forwarded):
+        """Algorithm 1, line 12, and Algorithm 2's residual: X minus what this rank contributed,
+        where it counted (local top-k ∩ global output), plus what the wire rounded off.
+
+        Written into X itself: the step owns it (the base class never hands in a buffer anyone
+        else holds), and a step that is not applied keeps the old residual. ``sent`` and
+        ``forwarded``: (indices, values, decoded values) of the pieces this rank sent to owners
+        and of the reduced entries it sent on."""
         residual = x
-        if self.residual_mode == "local":
+        mode = self.residual_mode
+        if mode == "local":
             # forget everything sent, even if dropped downstream
-            return A.zero_at(residual, sel_idx)
-        # Contributed and in the output (local top-k ∩ global top-k): E = X + (−sent).
-        return A.sub_members(residual, sel_idx, sel_val, out_idx)
+            A.zero_at(residual, sel_idx)
+        else:
+            # Contributed and in the output (local top-k ∩ global top-k): E = X + (−sent).
+            A.sub_members(residual, sel_idx, sel_val, out_idx)
+        # What the wire rounded off stays here ("compact"; nothing for "coo"): a selected
+        # entry's where it counted (all of X stays where it did not), and the whole remainder
+        # of every reduced entry forwarded (they all reach the output).
+        reached = out_idx if mode == "global" else None
+        for i, v, q in sent:
+            keep_remainder(residual, i, v, q, mode, members=reached)
+        for i, v, q in forwarded:
+            keep_remainder(residual, i, v, q, mode)
+        return residual
 
     def _nudge(self, th, M):
         """Move the reused global threshold towards k surviving entries for the next step."""
