@@ -246,7 +246,7 @@ class SparDL(Allreducer):
         return Reduced(indices, values, residual)
 
     def _spar_reduce_scatter(self, sums, vdt) -> None:
-        """Spar-Reduce-Scatter (paper Sec. 4.1; docs/design.md §4.2) inside the team: ⌈log₂m⌉
+        """Spar-Reduce-Scatter (paper Sec. 4; docs/design.md §4.2) inside the team: ⌈log₂m⌉
         rounds; each block is re-selected (top-k_b of the current partial sum) just before it is
         sent, and received pairs are added into the partial sums. Position p ends holding block
         p summed over the team."""
@@ -274,7 +274,7 @@ class SparDL(Allreducer):
                 sums.receive(idx, vals)
 
     def _spar_all_gather_across_teams(self, sums, vdt):
-        """Spar-All-Gather across teams (paper Sec. 4.2, d > 1; docs/design.md §4.3): the owner
+        """Spar-All-Gather across teams (paper Sec. 4, d > 1; docs/design.md §4.3): the owner
         gives up the top-h of its block, the d owners of block p all-gather their selections,
         and each keeps the top-k_b of the union (coalesced in team order 0 … d−1: the same sums
         in the same order on all d owners). Returns the block's (indices, values); updates h."""
@@ -304,7 +304,7 @@ class SparDL(Allreducer):
         return A.take(ui, rel), top
 
     def _spar_all_gather_within_team(self, sums, own, vdt):
-        """Spar-All-Gather within the team (paper Sec. 4.2; docs/design.md §4.3): a Bruck
+        """Spar-All-Gather within the team (paper Sec. 4; docs/design.md §4.3): a Bruck
         all-gather over the m positions gives every rank every block; returns the output's
         (int64 indices, values), in block order."""
         # Receive capacities: with d = 1 a block is the selector's choice, which the threshold
