@@ -13,6 +13,8 @@ from numba import njit
 from .. import _validate
 from ._common import JIT, as_array, canonical
 
+__all__ = ["divide_count_nonfinite", "canonical_count_nonfinite"]
+
 
 @njit(**JIT)
 def _divide_count_nonfinite(x, s):
