@@ -1,5 +1,7 @@
 """Runs tests/mpi_cudasim (GPU buffers through the whole collective pipeline) on the Numba CUDA
-simulator under `mpiexec -n P` for P in {1, 2, 3, 4}.
+simulator under `mpiexec -n P` for P in {1, 2, 4}: with n = 42 the blocks are uneven at P = 4
+and SparDL's two teams have two members each (P = 3 is left out for time: the simulator runs
+every kernel in Python; the CPU collectives are tested at every P up to 8 by tests/test_mpi.py).
 
 Part of the cudasim line of ``make test``::
 
@@ -34,7 +36,7 @@ def _gpu_or_sim() -> bool:
 @pytest.mark.cudasim
 @pytest.mark.mpi
 @pytest.mark.skipif(not _gpu_or_sim(), reason="needs NUMBA_ENABLE_CUDASIM=1 or a CUDA GPU")
-@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("P", [1, 2, 4])
 def test_gpu_pipeline_under_mpiexec(P):
     env = {"NUMBA_ENABLE_CUDASIM": "1"} if SIM else {}
     # The child module skips itself as a whole without the simulator or a GPU, and a skipped

@@ -7,7 +7,7 @@ and conserve (Σ_r X_r = P·out + Σ_r E_r) where the algorithm does. Plus unit 
 (packing, staging through pinned buffers, and the CUDA-aware path, which the simulator can run
 because its "device" memory is host memory).
 
-Launch sizes are patched small (as in tests/test_cuda_kernels.py) so that n = 40 spans several
+Launch sizes are patched small (as in tests/test_cuda_kernels.py) so that n = 42 spans several
 CUDA blocks.
 """
 
@@ -28,7 +28,7 @@ import spardl  # noqa: E402
 from spardl import _arrays as A  # noqa: E402
 from spardl import comm as C  # noqa: E402
 
-N = 40
+N = 42  # uneven blocks at P = 4 (tests/test_gpu_pipeline.py runs P = 1, 2, 4)
 STEPS = 2
 
 
