@@ -479,6 +479,9 @@ class _Core:
         dense = self.step < self.warmup_steps
         ar = self.allreducer(dense)
         tech = self.tech
+        # The warm-up moves ρ before the step; a step that raises or is skipped puts it back,
+        # with what derives from it (budgets, h, thresholds), by the allreducer's own snapshot.
+        before_density = None
         if not dense and tech.density_warmup:
             rho = warmup_density_at(
                 self.step - self.warmup_steps,
@@ -487,6 +490,7 @@ class _Core:
                 self.target_density,
             )
             if rho != ar.density:
+                before_density = ar._snapshot()
                 ar.set_density(rho)
         if tech.clip_norm is not None:
             self._clip()
@@ -519,9 +523,15 @@ class _Core:
         except BaseException:
             if u_before is not None:
                 self.velocity = u_before
+            if before_density is not None:
+                ar._restore(before_density)
             raise
-        if u_before is not None and ar.stats.get("skipped_steps", 0) != skipped:
-            self.velocity, x_in = u_before, None  # nonfinite="skip": the step is not applied
+        applied = ar.stats.get("skipped_steps", 0) == skipped
+        if not applied:  # nonfinite="skip": as if the step had not been taken
+            if u_before is not None:
+                self.velocity, x_in = u_before, None
+            if before_density is not None:
+                ar._restore(before_density)
         if keep:
             res = _tensor(ar.residual, self.flat)  # the allreducer's own array: a view
             for a, b, v in keep:
@@ -532,7 +542,8 @@ class _Core:
             # Factor masking: u is zeroed where this rank's accumulation left its residual.
             sent = (_tensor(ar.residual, self.flat) == 0) & (x_in != 0)
             self.velocity[sent] = 0
-        self.step += 1
+        if applied:  # the schedules (dense warm-up, density warm-up) count applied steps
+            self.step += 1
         return out
 
     def _clip(self) -> None:

@@ -203,6 +203,55 @@ def test_a_step_that_raises_leaves_the_velocity_as_it_was():
     assert after.tobytes() == before.tobytes()
 
 
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_a_rejected_step_in_the_density_warmup_leaves_the_state_as_it_was(nonfinite):
+    """The warm-up moves the density before the step; a step that raises (or is skipped) puts
+    the density, and what depends on it (the threshold selector's state), back."""
+    import spardl
+
+    p = torch.nn.Parameter(torch.zeros(400))
+    red = st.SparseGradientReducer(
+        [p],
+        MPI.COMM_SELF,
+        "spardl",
+        density=0.01,
+        selector="threshold",
+        density_warmup=4,
+        momentum_correction=0.9,
+        nonfinite=nonfinite,
+    )
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        p.grad = torch.from_numpy(rng.standard_normal(400).astype(np.float32))
+        red.reduce()
+    before = red.state_dict()
+    density = red.allreducer.density
+    p.grad = torch.full((400,), float("nan"))
+    if nonfinite == "raise":
+        with pytest.raises(spardl.NonFiniteError):
+            red.reduce()
+    else:
+        red.reduce()
+    assert red.allreducer.density == density
+    after = red.state_dict()
+    # Traffic counters count what was sent, by a rejected step too (its agreement messages).
+    before.pop("stats"), after.pop("stats")
+    assert repr(_plain(after)) == repr(_plain(before))
+
+
+def _plain(obj):
+    """A state as plain data (arrays and tensors as their bytes), for an exact comparison."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", str(obj.dtype), obj.detach().cpu().numpy().tobytes())
+    if isinstance(obj, np.ndarray):
+        return ("array", str(obj.dtype), obj.tobytes())
+    return obj
+
+
 def test_velocity_follows_each_parameter_into_another_layout():
     a, b = torch.nn.Parameter(torch.zeros(30)), torch.nn.Parameter(torch.zeros(20))
     red = st.SparseGradientReducer(
