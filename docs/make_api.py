@@ -12,8 +12,11 @@ import inspect
 MODULES = [
     "spardl_kernels",
     "spardl_kernels.cpu.wire",
+    "spardl_kernels.cpu.arrays",
+    "spardl_kernels.cuda.arrays",
     "spardl",
     "spardl.comm",
+    "spardl.dtypes",
     "spardl.algorithms.base",
     "spardl.algorithms.auto",
     "spardl.result",
