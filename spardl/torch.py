@@ -391,6 +391,22 @@ def _check_overlap(momentum_correction, clip_norm) -> None:
         )
 
 
+def _checked_state(state, algorithm: str) -> dict:
+    """A ``state_dict()`` output as NumPy data, checked for its type, its keys ``algorithm`` and
+    ``step``, and the algorithm it was saved with (``TypeError`` / ``ValueError``)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict (from state_dict()), got {type(state).__name__}")
+    state = from_torch_state(state)
+    missing = [k for k in ("algorithm", "step") if k not in state]
+    if missing:
+        raise ValueError(f"state is missing key(s) {missing} (not a state_dict() output?)")
+    if state["algorithm"] != algorithm:
+        raise ValueError(
+            f"state was saved with algorithm={state['algorithm']!r}, this one has {algorithm!r}"
+        )
+    return state
+
+
 def _raise_everywhere(ctl: Comm, err) -> None:
     """After a control allreduce said some rank failed: raise on every rank, naming the first."""
     reports = ctl.allgather_object(None if err is None else (type(err).__name__, str(err)))
@@ -663,17 +679,7 @@ class _Core:
             raise
 
     def _load_local(self, state) -> None:
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict (from state_dict()), got {type(state).__name__}")
-        state = from_torch_state(state)
-        missing = [k for k in ("algorithm", "step") if k not in state]
-        if missing:
-            raise ValueError(f"state is missing key(s) {missing} (not a state_dict() output?)")
-        if state["algorithm"] != self.algorithm:
-            raise ValueError(
-                f"state was saved with algorithm={state['algorithm']!r}, "
-                f"this one has {self.algorithm!r}"
-            )
+        state = _checked_state(state, self.algorithm)
         if "allreducers" in state and "allreducer" not in state:
             raise ValueError(
                 "state holds per-bucket allreducers (saved by an older spardl); its residuals "
@@ -967,17 +973,7 @@ class _Buckets:
         self.stats.update(stats)
 
     def _load_local(self, state):
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict (from state_dict()), got {type(state).__name__}")
-        state = from_torch_state(state)
-        missing = [k for k in ("algorithm", "step") if k not in state]
-        if missing:
-            raise ValueError(f"state is missing key(s) {missing} (not a state_dict() output?)")
-        if state["algorithm"] != self.algorithm:
-            raise ValueError(
-                f"state was saved with algorithm={state['algorithm']!r}, "
-                f"this one has {self.algorithm!r}"
-            )
+        state = _checked_state(state, self.algorithm)
         if state.get("velocity"):
             raise ValueError(
                 "the state holds momentum-correction velocities; overlap mode does not use them"
