@@ -229,14 +229,9 @@ def _plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None):
-    a = _args(argv)
-    comm = MPI.COMM_WORLD
-    P = comm.size
-    load = [os.getloadavg()[0]]
-    g = gradient(a.n, comm.rank, a.seed, np.dtype(a.dtype))
-    profile = {}
-    results = {}
+def _measure_peers(comm, a, g, results):
+    """Time MPI's own Allreduce of ``g`` (its dtype) and of a float16 copy into ``results``;
+    return both raw results and the peer every later row is paired with."""
     # The peers every ratio is quoted against: MPI's own Allreduce of the same gradient buffer
     # (its dtype) and of a float16 copy of it (cast here, outside the timed calls).
     raw = measure_raw(comm, g, a.warmup, a.repeat)
@@ -248,6 +243,46 @@ def main(argv=None):
     if a.dtype != "float16":
         raw16 = measure_raw(comm, g.astype(np.float16), a.warmup, a.repeat, peer)
         results[("raw Allreduce fp16", None)] = raw16
+    return raw, raw16, peer
+
+
+def _measure_sparse(comm, a, g, alg, density, peer, results, profile):
+    """Time one sparse algorithm at one density: one row per wire format, then spardl's
+    ``check=False`` row and phase profile where asked."""
+    for wire in a.wire:
+        opts = {"density": density}
+        if alg == "spardl":
+            opts["teams"] = a.teams
+        if wire != "coo":
+            opts["wire"] = wire
+        label = alg if wire == "coo" else f"{alg} ({wire})"
+        results[(label, density)] = measure(
+            comm,
+            lambda alg=alg, opts=opts: spardl.make(alg, comm, a.n, **opts),
+            g,
+            a.warmup,
+            a.repeat,
+            peer,
+        )
+    opts = {"density": density}
+    if alg == "spardl":
+        opts["teams"] = a.teams
+    if a.check_cost and alg == "spardl":
+        unchecked = {**opts, "check": False}
+        results[("spardl (check=False)", density)] = measure(
+            comm,
+            lambda o=unchecked: spardl.make("spardl", comm, a.n, **o),
+            g,
+            a.warmup,
+            a.repeat,
+            peer,
+        )
+    if a.profile and alg == "spardl":
+        profile[density] = _profile_spardl(comm, a, g, opts)
+
+
+def _measure_matrix(comm, a, g, peer, results, profile):
+    """Time every (density, algorithm) pair of the run into ``results`` (and ``profile``)."""
     dense = None  # density-independent: measured once, listed once per density
     for density in a.density:
         for alg in a.algorithms:
@@ -258,37 +293,11 @@ def main(argv=None):
                     )
                 results[(alg, density)] = dense
                 continue
-            for wire in a.wire:
-                opts = {"density": density}
-                if alg == "spardl":
-                    opts["teams"] = a.teams
-                if wire != "coo":
-                    opts["wire"] = wire
-                label = alg if wire == "coo" else f"{alg} ({wire})"
-                results[(label, density)] = measure(
-                    comm,
-                    lambda alg=alg, opts=opts: spardl.make(alg, comm, a.n, **opts),
-                    g,
-                    a.warmup,
-                    a.repeat,
-                    peer,
-                )
-            opts = {"density": density}
-            if alg == "spardl":
-                opts["teams"] = a.teams
-            if a.check_cost and alg == "spardl":
-                unchecked = {**opts, "check": False}
-                results[("spardl (check=False)", density)] = measure(
-                    comm,
-                    lambda o=unchecked: spardl.make("spardl", comm, a.n, **o),
-                    g,
-                    a.warmup,
-                    a.repeat,
-                    peer,
-                )
-            if a.profile and alg == "spardl":
-                profile[density] = _profile_spardl(comm, a, g, opts)
-    load.append(os.getloadavg()[0])
+            _measure_sparse(comm, a, g, alg, density, peer, results, profile)
+
+
+def _rows(results, raw, raw16):
+    """The report's rows: each result with its ratios to the raw Allreduce rows."""
     rows = []
     for (alg, density), (t, b, m, link, paired) in results.items():
         rows.append(
@@ -306,45 +315,71 @@ def main(argv=None):
                 "messages_ratio": m / raw[2] if raw[2] else float("nan"),
             }
         )
+    return rows
+
+
+def _print_report(a, P, load, rows, profile):
+    """Print the run's header, the table and spardl's phase profiles (rank 0)."""
+    print(f"# {' '.join(sys.argv)}")
+    print(
+        f"# P={P}, n={a.n}, dtype={a.dtype}, teams={a.teams}, repeat={a.repeat}, "
+        f"warmup={a.warmup}, host={platform.node()}, "
+        f"1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end"
+    )
+    print(
+        f"# ratios: time / raw Allreduce {SHORT[a.dtype]} (MPI_Allreduce of the gradient "
+        "buffer: the median of per-call ratios, each call paired with a raw call timed "
+        "right before it) and / raw Allreduce fp16 (of a float16 copy: median / median); "
+        f"bytes and messages / raw Allreduce {SHORT[a.dtype]}"
+    )
+    print(_fmt_table(rows, a.dtype))
+    for density, ph in profile.items():
+        print(
+            f"# spardl profile at density {density:g} (rank 0, median s): "
+            + ", ".join(f"{k} {v:.4f}" for k, v in ph.items())
+        )
+
+
+def _write_json(a, P, load, rows, profile):
+    """Write the run's settings, rows and profiles to ``a.json``."""
+    with open(a.json, "w") as f:
+        json.dump(
+            {
+                "P": P,
+                "n": a.n,
+                "dtype": a.dtype,
+                "teams": a.teams,
+                "argv": sys.argv,
+                "load_average": load,
+                "peers": {
+                    "time_ratio": f"raw Allreduce {SHORT[a.dtype]}",
+                    "time_ratio_fp16": "raw Allreduce fp16",
+                },
+                "rows": rows,
+                "profile": {str(k): v for k, v in profile.items()},
+            },
+            f,
+            indent=1,
+        )
+
+
+def main(argv=None):
+    """Time the raw Allreduce peers and every (density, algorithm) row; rank 0 reports."""
+    a = _args(argv)
+    comm = MPI.COMM_WORLD
+    P = comm.size
+    load = [os.getloadavg()[0]]
+    g = gradient(a.n, comm.rank, a.seed, np.dtype(a.dtype))
+    profile = {}
+    results = {}
+    raw, raw16, peer = _measure_peers(comm, a, g, results)
+    _measure_matrix(comm, a, g, peer, results, profile)
+    load.append(os.getloadavg()[0])
+    rows = _rows(results, raw, raw16)
     if comm.rank == 0:
-        print(f"# {' '.join(sys.argv)}")
-        print(
-            f"# P={P}, n={a.n}, dtype={a.dtype}, teams={a.teams}, repeat={a.repeat}, "
-            f"warmup={a.warmup}, host={platform.node()}, "
-            f"1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end"
-        )
-        print(
-            f"# ratios: time / raw Allreduce {SHORT[a.dtype]} (MPI_Allreduce of the gradient "
-            "buffer: the median of per-call ratios, each call paired with a raw call timed "
-            "right before it) and / raw Allreduce fp16 (of a float16 copy: median / median); "
-            f"bytes and messages / raw Allreduce {SHORT[a.dtype]}"
-        )
-        print(_fmt_table(rows, a.dtype))
-        for density, ph in profile.items():
-            print(
-                f"# spardl profile at density {density:g} (rank 0, median s): "
-                + ", ".join(f"{k} {v:.4f}" for k, v in ph.items())
-            )
+        _print_report(a, P, load, rows, profile)
         if a.json:
-            with open(a.json, "w") as f:
-                json.dump(
-                    {
-                        "P": P,
-                        "n": a.n,
-                        "dtype": a.dtype,
-                        "teams": a.teams,
-                        "argv": sys.argv,
-                        "load_average": load,
-                        "peers": {
-                            "time_ratio": f"raw Allreduce {SHORT[a.dtype]}",
-                            "time_ratio_fp16": "raw Allreduce fp16",
-                        },
-                        "rows": rows,
-                        "profile": {str(k): v for k, v in profile.items()},
-                    },
-                    f,
-                    indent=1,
-                )
+            _write_json(a, P, load, rows, profile)
         if a.plot:
             _plot([r for r in rows if r["density"] is not None], a.plot)
 
