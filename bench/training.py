@@ -148,7 +148,35 @@ def _lm_table(rows, dense_by_seed: dict, where: str, density: float) -> list[str
     return lines
 
 
-def main(argv=None) -> int:
+def _digits_table(rows, dense_by_seed: dict, where: str, density: float) -> list[str]:
+    """The Markdown table of a digits run: final test accuracy, bytes, time to dense − 1 pt."""
+    m0 = rows[0][2]
+    lines = [
+        f"{where}; density {density}, {m0['epochs']} epochs, "
+        f"batch {m0['batch_size']}/rank, lr {m0['lr']}, {m0['n_params']} parameters",
+        "",
+        "| run | seed | test acc | Δ vs dense (points) | MB sent/rank | % of dense bytes "
+        "| train s | time to dense − 1 pt (s) | × dense's time | job s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, seed, m in rows:
+        d = dense_by_seed[seed]
+        delta = 100 * (m["final_test_accuracy"] - d["final_test_accuracy"])
+        frac = 100 * m["bytes_sent_per_rank"] / d["bytes_sent_per_rank"]
+        target = d["final_test_accuracy"] - 0.01
+        tt, td = time_to(m["history"], target), time_to(d["history"], target)
+        m["time_to_dense_minus_1pt"] = tt
+        lines.append(
+            f"| {label} | {seed} | {100 * m['final_test_accuracy']:.2f}% | {delta:+.2f} "
+            f"| {m['bytes_sent_per_rank'] / 1e6:.3f} | {frac:.2f}% "
+            f"| {m['wall_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
+            f"| {'—' if tt is None or not td else f'{tt / td:.2f}'} | {m['job_seconds']:.1f} |"
+        )
+    return lines
+
+
+def _args(argv):
+    """The command line's options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-size", "-n", type=int, default=4)
     p.add_argument("--density", type=float, default=0.01)
@@ -182,71 +210,47 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", default=None, help="run on emulated nodes with this link rate")
     p.add_argument("--out", type=Path, default=Path("runs/bench-training"))
     p.add_argument("--timeout", type=float, default=900)
-    args = p.parse_args(argv)
-    configs = list(dict.fromkeys(["dense", *args.configs]))
+    return p.parse_args(argv)
 
+
+def _train_args(args, label: str, seed: int, out: Path) -> list[str]:
+    """The ``spardl train`` arguments of one run: a config at one seed, written to ``out``."""
+    train_args = [
+        "--task",
+        args.task,
+        *expand(CONFIGS[label], args.clip_norm, args.density_warmup),
+        "--density",
+        str(args.density),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    if args.epochs is not None:
+        train_args += ["--epochs", str(args.epochs)]
+    for name in ("width", "batch_size", "steps", "eval_every"):
+        if getattr(args, name) is not None:
+            train_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return train_args
+
+
+def _run_all(args, configs: list[str]) -> list[tuple[str, int, dict]]:
+    """Run every config at every seed as its own job; (label, seed, metrics) per run."""
     rows = []
     for seed in args.seeds:
         for label in configs:
             out = args.out / f"{label}-seed{seed}"
-            train_args = [
-                "--task",
-                args.task,
-                *expand(CONFIGS[label], args.clip_norm, args.density_warmup),
-                "--density",
-                str(args.density),
-                "--seed",
-                str(seed),
-                "--out",
-                str(out),
-                "--no-progress",
-            ]
-            if args.epochs is not None:
-                train_args += ["--epochs", str(args.epochs)]
-            for name in ("width", "batch_size", "steps", "eval_every"):
-                if getattr(args, name) is not None:
-                    train_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+            train_args = _train_args(args, label, seed, out)
             job_s = launch_train(args.world_size, train_args, args.timeout, args.bandwidth)
             m = json.loads((out / "metrics.json").read_text())
             m["job_seconds"] = job_s
             rows.append((label, seed, m))
+    return rows
 
-    dense_by_seed = {s: m for lab, s, m in rows if lab == "dense"}
-    where = (
-        f"{args.world_size} emulated nodes, {args.bandwidth} links"
-        if args.bandwidth
-        else f"P = {args.world_size}, shared memory"
-    )
-    m0 = rows[0][2]
-    if args.task == "lm":
-        lines = _lm_table(rows, dense_by_seed, where, args.density)
-    else:
-        lines = [
-            f"{where}; density {args.density}, {m0['epochs']} epochs, "
-            f"batch {m0['batch_size']}/rank, lr {m0['lr']}, {m0['n_params']} parameters",
-            "",
-            "| run | seed | test acc | Δ vs dense (points) | MB sent/rank | % of dense bytes "
-            "| train s | time to dense − 1 pt (s) | × dense's time | job s |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for label, seed, m in rows:
-            d = dense_by_seed[seed]
-            delta = 100 * (m["final_test_accuracy"] - d["final_test_accuracy"])
-            frac = 100 * m["bytes_sent_per_rank"] / d["bytes_sent_per_rank"]
-            target = d["final_test_accuracy"] - 0.01
-            tt, td = time_to(m["history"], target), time_to(d["history"], target)
-            m["time_to_dense_minus_1pt"] = tt
-            lines.append(
-                f"| {label} | {seed} | {100 * m['final_test_accuracy']:.2f}% | {delta:+.2f} "
-                f"| {m['bytes_sent_per_rank'] / 1e6:.3f} | {frac:.2f}% "
-                f"| {m['wall_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
-                f"| {'—' if tt is None or not td else f'{tt / td:.2f}'} | {m['job_seconds']:.1f} |"
-            )
-    table = "\n".join(lines)
-    print()
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    _plot(rows, args.out / "time-to-accuracy.png", lines[0])
+
+def _write_summary(args, argv, rows, table: str) -> None:
+    """Write the command, the table and every run's metrics to ``--out``/summary.json."""
     (args.out / "summary.json").write_text(
         json.dumps(
             {
@@ -258,6 +262,27 @@ def main(argv=None) -> int:
         )
         + "\n"
     )
+
+
+def main(argv=None) -> int:
+    """Run every config and seed, print the table, write the plot and summary.json."""
+    args = _args(argv)
+    configs = list(dict.fromkeys(["dense", *args.configs]))
+    rows = _run_all(args, configs)
+    dense_by_seed = {s: m for lab, s, m in rows if lab == "dense"}
+    where = (
+        f"{args.world_size} emulated nodes, {args.bandwidth} links"
+        if args.bandwidth
+        else f"P = {args.world_size}, shared memory"
+    )
+    table_of = _lm_table if args.task == "lm" else _digits_table
+    lines = table_of(rows, dense_by_seed, where, args.density)
+    table = "\n".join(lines)
+    print()
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    _plot(rows, args.out / "time-to-accuracy.png", lines[0])
+    _write_summary(args, argv, rows, table)
     print(f"\nwrote {args.out / 'summary.json'} and {args.out / 'time-to-accuracy.png'}")
     return 0
 
