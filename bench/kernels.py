@@ -66,16 +66,11 @@ def sorted_pairs(rng, m, n):
     return idx, rng.standard_normal(m).astype(np.float32)
 
 
-def bench_size(n, repeat, density, torch_threads):
-    import torch
-
-    torch.set_num_threads(torch_threads)
-    x, n_params = gradient_like(n)
-    k = max(1, int(density * n))
+def _time_dense_kernels(x, k, t_kth, repeat, torch):
+    """Median seconds of the selection kernels and their peers on the gradient ``x``."""
+    n = x.shape[0]
     dst = np.empty_like(x)
     xt = torch.from_numpy(x)
-    t_kth = sk.kth_largest_abs(x, k)
-
     rows = {}
     rows["np.copyto(x)"] = timeit(lambda: np.copyto(dst, x), repeat)
     rows["topk_abs"] = timeit(lambda: sk.topk_abs(x, k), repeat)
@@ -85,7 +80,11 @@ def bench_size(n, repeat, density, torch_threads):
     rows["estimate_threshold"] = timeit(lambda: sk.estimate_threshold(x, k), repeat)
     rows["np.argpartition(|x|, n-k)"] = timeit(lambda: np.argpartition(np.abs(x), n - k), repeat)
     rows["torch.topk(|x|, k)"] = timeit(lambda: torch.topk(xt.abs(), k), repeat)
+    return rows
 
+
+def _time_sparse_kernels(rows, repeat):
+    """Add to ``rows`` the median seconds of merge_add and coalesce and their peers."""
     # merge of two sorted lists of 250,000 (int64, float32) pairs each
     rng = np.random.default_rng(1)
     m = 250_000
@@ -116,7 +115,10 @@ def bench_size(n, repeat, density, torch_threads):
     uv = rng.standard_normal(ui.shape[0]).astype(np.float32)
     rows["coalesce 1M random"] = timeit(lambda: sk.coalesce(ui, uv), repeat)
 
-    ratios = [
+
+def _ratios(rows):
+    """(name, measured ratio, goal) of the ratios the project's goals are stated in."""
+    return [
         ("select_above / copyto", rows["select_above(x, kth)"] / rows["np.copyto(x)"], "<= 0.75"),
         ("topk_abs / copyto", rows["topk_abs"] / rows["np.copyto(x)"], "<= 3"),
         (
@@ -137,13 +139,33 @@ def bench_size(n, repeat, density, torch_threads):
         ),
     ]
 
-    # estimate_threshold: relative error against the exact threshold over 20 seeds
+
+def _threshold_error(x, k, t_kth):
+    """estimate_threshold's relative error against the exact threshold over 20 seeds, and the
+    count above each estimate over k."""
     rel = []
     cnt = []
     for seed in range(20):
         est = sk.estimate_threshold(x, k, seed=seed)
         rel.append(abs(est / float(t_kth) - 1.0))
         cnt.append(sk.count_above(x, est) / k)
+    return rel, cnt
+
+
+def bench_size(n, repeat, density, torch_threads):
+    """Time every kernel and peer at gradient length ``n``; the ratios and the threshold
+    estimate's error."""
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    x, n_params = gradient_like(n)
+    k = max(1, int(density * n))
+    t_kth = sk.kth_largest_abs(x, k)
+    rows = _time_dense_kernels(x, k, t_kth, repeat, torch)
+    _time_sparse_kernels(rows, repeat)
+    ratios = _ratios(rows)
+    # estimate_threshold: relative error against the exact threshold over 20 seeds
+    rel, cnt = _threshold_error(x, k, t_kth)
     return n, k, n_params, rows, ratios, rel, cnt
 
 
