@@ -109,68 +109,78 @@ def _timed(comm, call):
     return comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
 
 
+def _measure(comm, a, g, alg, packed):
+    """One algorithm's row: both formats warmed up, then ``--repeat`` paired rounds (the order
+    alternating); median times, the paired ratio, bytes per rank and bytes per pair."""
+    P = comm.size
+    opts = {"density": a.density}
+    if alg == "spardl":
+        opts["teams"] = a.teams
+    ars = {w: spardl.make(alg, comm, a.n, wire=w, **opts) for w in ("coo", "compact")}
+    for ar in ars.values():
+        for _ in range(a.warmup):
+            ar(g)
+    sent0 = {w: ar.stats["bytes_sent"] for w, ar in ars.items()}
+    packed.counts = {"coo": [0, 0], "compact": [0, 0]}
+    times = {"coo": [], "compact": []}
+    packed.on = True
+    for r in range(a.repeat):
+        order = ("coo", "compact") if r % 2 == 0 else ("compact", "coo")
+        for w in order:
+            times[w].append(_timed(comm, lambda ar=ars[w]: ar(g)))
+    packed.on = False
+    ratios = [c / o for c, o in zip(times["compact"], times["coo"], strict=True)]
+    row = {"algorithm": alg, "P": P}
+    for w, ar in ars.items():
+        per_rank = (ar.stats["bytes_sent"] - sent0[w]) / a.repeat
+        b, p = (comm.allreduce(v, op=MPI.SUM) for v in packed.counts[w])
+        row[f"time_{w}"] = float(np.median(times[w]))
+        row[f"bytes_sent_{w}"] = comm.allreduce(per_rank, op=MPI.SUM) / P
+        row[f"bytes_per_pair_{w}"] = b / p if p else float("nan")
+    row["time_ratio"] = float(np.median(ratios))
+    return row
+
+
+def _print_report(a, P, load, rows):
+    """Print the run's header and the table (rank 0)."""
+    print(f"# {' '.join(sys.argv)}")
+    print(
+        f"# P={P}, n={a.n}, density={a.density}, teams={a.teams}, repeat={a.repeat}, "
+        f"warmup={a.warmup}, 1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end"
+    )
+    head = (
+        "algorithm",
+        "time coo (s)",
+        "time compact (s)",
+        "compact / coo (paired)",
+        "bytes/rank coo",
+        "bytes/rank compact",
+        "bytes/pair coo",
+        "bytes/pair compact",
+    )
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print(
+            f"| {r['algorithm']} | {r['time_coo']:.4f} | {r['time_compact']:.4f} "
+            f"| {r['time_ratio']:.3f} | {r['bytes_sent_coo']:.4g} "
+            f"| {r['bytes_sent_compact']:.4g} | {r['bytes_per_pair_coo']:.3f} "
+            f"| {r['bytes_per_pair_compact']:.3f} |"
+        )
+
+
 def main(argv=None):
+    """Time both wire formats of every algorithm, paired; rank 0 prints the table."""
     a = _args(argv)
     comm = MPI.COMM_WORLD
     P = comm.size
     load = [os.getloadavg()[0]]
     g = gradient(a.n, comm.rank, a.seed)
     packed = _Packed()
-    rows = []
-    for alg in a.algorithms:
-        opts = {"density": a.density}
-        if alg == "spardl":
-            opts["teams"] = a.teams
-        ars = {w: spardl.make(alg, comm, a.n, wire=w, **opts) for w in ("coo", "compact")}
-        for ar in ars.values():
-            for _ in range(a.warmup):
-                ar(g)
-        sent0 = {w: ar.stats["bytes_sent"] for w, ar in ars.items()}
-        packed.counts = {"coo": [0, 0], "compact": [0, 0]}
-        times = {"coo": [], "compact": []}
-        packed.on = True
-        for r in range(a.repeat):
-            order = ("coo", "compact") if r % 2 == 0 else ("compact", "coo")
-            for w in order:
-                times[w].append(_timed(comm, lambda ar=ars[w]: ar(g)))
-        packed.on = False
-        ratios = [c / o for c, o in zip(times["compact"], times["coo"], strict=True)]
-        row = {"algorithm": alg, "P": P}
-        for w, ar in ars.items():
-            per_rank = (ar.stats["bytes_sent"] - sent0[w]) / a.repeat
-            b, p = (comm.allreduce(v, op=MPI.SUM) for v in packed.counts[w])
-            row[f"time_{w}"] = float(np.median(times[w]))
-            row[f"bytes_sent_{w}"] = comm.allreduce(per_rank, op=MPI.SUM) / P
-            row[f"bytes_per_pair_{w}"] = b / p if p else float("nan")
-        row["time_ratio"] = float(np.median(ratios))
-        rows.append(row)
-        del ars
+    rows = [_measure(comm, a, g, alg, packed) for alg in a.algorithms]
     load.append(os.getloadavg()[0])
     if comm.rank == 0:
-        print(f"# {' '.join(sys.argv)}")
-        print(
-            f"# P={P}, n={a.n}, density={a.density}, teams={a.teams}, repeat={a.repeat}, "
-            f"warmup={a.warmup}, 1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end"
-        )
-        head = (
-            "algorithm",
-            "time coo (s)",
-            "time compact (s)",
-            "compact / coo (paired)",
-            "bytes/rank coo",
-            "bytes/rank compact",
-            "bytes/pair coo",
-            "bytes/pair compact",
-        )
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-        for r in rows:
-            print(
-                f"| {r['algorithm']} | {r['time_coo']:.4f} | {r['time_compact']:.4f} "
-                f"| {r['time_ratio']:.3f} | {r['bytes_sent_coo']:.4g} "
-                f"| {r['bytes_sent_compact']:.4g} | {r['bytes_per_pair_coo']:.3f} "
-                f"| {r['bytes_per_pair_compact']:.3f} |"
-            )
+        _print_report(a, P, load, rows)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"argv": sys.argv, "load_average": load, "rows": rows}, f, indent=1)
