@@ -235,6 +235,88 @@ def _decode16(buf, p, c, obits, out, pos, M, B, s):
 
 
 # -- encoding ----------------------------------------------------------------------------------
+# The steps of _plan, _write and _decode are compiled functions of their own, chosen by
+# measurement to keep the message loops as fast as when they were written in one piece: the
+# index-section readers and writers and the code choices are inlined by Numba (inline="always"),
+# _scan_block is not (LLVM's own inlining measured as fast), and the value sections stay in the
+# loops (a helper around _encode16 or _decode16 measured a few percent slower).
+@numba.njit(**JIT)
+def _scan_block(rel, vals, pos, c, off):
+    """One pass over the c pairs of a block at rel[pos:], vals[pos:] (indices relative to off):
+    the gaps' costs at each ladder start (1 byte each below 255, 3 below 65535; wider ones
+    priced exactly) and the values' range. Returns (ok, last, n3, nw, w1, w2, w4, amax, amin):
+    ok False when the indices are not strictly ascending from off; last the block-relative
+    last index; n3 the gaps in [255, 65535); nw the gaps ≥ 65535 and w1, w2, w4 their exact
+    costs from LADDER_1, LADDER_2, LADDER_4; amax the largest |v| (∞ if one is NaN or ±∞);
+    amin the smallest non-zero |v|."""
+    prev = off - 1
+    n3 = 0
+    nw = 0
+    w1 = 0
+    w2 = 0
+    w4 = 0
+    amax = 0.0
+    amin = math.inf
+    finite = True
+    for j in range(pos, pos + c):
+        r = rel[j]
+        g = r - prev - 1
+        prev = r
+        if g < 0:
+            return False, 0, 0, 0, 0, 0, 0, 0.0, 0.0
+        if g >= 0xFF:
+            if g < 0xFFFF:
+                n3 += 1
+            else:
+                nw += 1
+                w1 += _ladder_cost(g, 1)
+                w2 += _ladder_cost(g, 2)
+                w4 += _ladder_cost(g, 4)
+        a = abs(np.float64(vals[j]))
+        finite &= a < math.inf
+        amax = max(amax, a)
+        if 0.0 < a < amin:
+            amin = a
+    if not finite:
+        amax = math.inf
+    return True, prev - off, n3, nw, w1, w2, w4, amax, amin
+
+
+@numba.njit(**JIT, inline="always")
+def _index_code(c, last, n3, nw, w1, w2, w4):
+    """The smallest index code of a block of c pairs (ties: the lowest code) from the gap
+    costs of :func:`_scan_block`. Returns (code, bytes)."""
+    if last == c - 1:
+        return PREFIX, 0
+    code, cost = LADDER_1, (c - n3 - nw) + 3 * n3 + w1
+    c2 = 2 * (c - nw) + w2
+    c4 = 4 * (c - nw) + w4
+    if c2 < cost:
+        code, cost = LADDER_2, c2
+    if c4 < cost:
+        code, cost = LADDER_4, c4
+    if 8 * c < cost:
+        code, cost = LADDER_8, 8 * c
+    if last // 8 + 1 < cost:
+        code, cost = BITMAP, last // 8 + 1
+    return code, cost
+
+
+@numba.njit(**JIT, inline="always")
+def _value_code(amax, amin, quantise):
+    """The value code and scale exponent of a block whose largest |v| is amax (∞ when one is
+    not finite) and smallest non-zero |v| is amin. Returns (code, s)."""
+    if not (quantise and amax < math.inf):
+        return RAW, 0
+    if amax == 0.0:
+        return FP16, 0
+    f, x = math.frexp(amax)
+    e = x - 1 if f == 0.5 else x  # ⌈log₂ amax⌉
+    if amin >= math.ldexp(1.0, e - 29):
+        return FP16, _T16 - e
+    return BF16, _TBF - e
+
+
 @numba.njit(**JIT)
 def _plan(rel, vals, counts, starts, quantise):
     """Per block: index code, value code and scale exponent; and the message size in bytes
@@ -251,77 +333,67 @@ def _plan(rel, vals, counts, starts, quantise):
         size += _ladder_cost(c, 1)
         if c == 0:
             continue
-        size += 1
-        off = starts[b]
-        prev = off - 1
-        # One pass over the block: the gaps' costs at each ladder start (1 byte each below 255,
-        # 3 below 65535; wider ones priced exactly) and the values' range.
-        n3 = 0  # gaps in [255, 65535): 3 bytes from LADDER_1
-        nw = 0  # gaps ≥ 65535, priced exactly below
-        w1 = 0
-        w2 = 0
-        w4 = 0
-        amax = 0.0
-        amin = math.inf
-        finite = True
-        for j in range(pos, pos + c):
-            r = rel[j]
-            g = r - prev - 1
-            prev = r
-            if g < 0:
-                return _E_ORDER, icode, vcode, scale, 0
-            if g >= 0xFF:
-                if g < 0xFFFF:
-                    n3 += 1
-                else:
-                    nw += 1
-                    w1 += _ladder_cost(g, 1)
-                    w2 += _ladder_cost(g, 2)
-                    w4 += _ladder_cost(g, 4)
-            a = abs(np.float64(vals[j]))
-            finite &= a < math.inf
-            amax = max(amax, a)
-            if 0.0 < a < amin:
-                amin = a
-        c1 = (c - n3 - nw) + 3 * n3 + w1
-        c2 = 2 * (c - nw) + w2
-        c4 = 4 * (c - nw) + w4
-        last = prev - off
-        if last == c - 1:
-            code, cost = PREFIX, 0
-        else:
-            code, cost = LADDER_1, c1
-            if c2 < cost:
-                code, cost = LADDER_2, c2
-            if c4 < cost:
-                code, cost = LADDER_4, c4
-            if 8 * c < cost:
-                code, cost = LADDER_8, 8 * c
-            if last // 8 + 1 < cost:
-                code, cost = BITMAP, last // 8 + 1
+        ok, last, n3, nw, w1, w2, w4, amax, amin = _scan_block(rel, vals, pos, c, starts[b])
+        if not ok:
+            return _E_ORDER, icode, vcode, scale, 0
+        code, cost = _index_code(c, last, n3, nw, w1, w2, w4)
         icode[b] = code
-        size += cost
-        if not finite:
-            amax = math.inf
-        if not (quantise and amax < math.inf):
-            vcode[b] = RAW
-            size += c * isz
-        else:
-            size += 2 + 2 * c
-            if amax == 0.0:
-                vcode[b] = FP16
-                scale[b] = 0
-            else:
-                f, x = math.frexp(amax)
-                e = x - 1 if f == 0.5 else x  # ⌈log₂ amax⌉
-                if amin >= math.ldexp(1.0, e - 29):
-                    vcode[b] = FP16
-                    scale[b] = _T16 - e
-                else:
-                    vcode[b] = BF16
-                    scale[b] = _TBF - e
+        vc, s = _value_code(amax, amin, quantise)
+        vcode[b] = vc
+        scale[b] = s
+        size += 1 + cost  # the code byte and the index section
+        size += c * isz if vc == RAW else 2 + 2 * c
         pos += c
     return 0, icode, vcode, scale, size
+
+
+@numba.njit(**JIT, inline="always")
+def _write_bitmap(rel, buf, p, pos, c, off):
+    """The BITMAP section of the c indices at rel[pos:] (relative to off) at buf[p:]; the next
+    position."""
+    nbytes = (rel[pos + c - 1] - off) // 8 + 1
+    for t in range(nbytes):
+        buf[p + t] = 0
+    for j in range(pos, pos + c):
+        r = rel[j] - off
+        buf[p + (r >> 3)] |= 1 << (r & 7)
+    return p + nbytes
+
+
+@numba.njit(**JIT, inline="always")
+def _write_gaps(rel, buf, p, pos, c, off, w):
+    """The gaps of the c indices at rel[pos:] (relative to off) as ladder numbers starting at w
+    bytes, at buf[p:]; the next position. Gaps below 65535 at w = 1 or 2 are stored without the
+    ladder loop (up to 3 bytes ahead: the buffer's slack)."""
+    prev = off - 1
+    if w == 1:
+        for j in range(pos, pos + c):
+            g = rel[j] - prev - 1
+            prev = rel[j]
+            if g < 0xFFFF:
+                # 1 byte, or the escape and 2 bytes: stored either way, p moves by 1 or 3
+                esc = g >= 0xFF
+                buf[p] = 0xFF if esc else g
+                buf[p + 1] = g & 0xFF
+                buf[p + 2] = g >> 8
+                p += 3 if esc else 1
+            else:
+                p = _put_ladder(buf, p, g, 1)
+    elif w == 2:
+        for j in range(pos, pos + c):
+            g = rel[j] - prev - 1
+            prev = rel[j]
+            if g < 0xFFFF:
+                buf[p] = g & 0xFF
+                buf[p + 1] = g >> 8
+                p += 2
+            else:
+                p = _put_ladder(buf, p, g, 2)
+    else:
+        for j in range(pos, pos + c):
+            p = _put_ladder(buf, p, rel[j] - prev - 1, w)
+            prev = rel[j]
+    return p
 
 
 @numba.njit(**JIT)
@@ -346,44 +418,10 @@ def _write(rel, vals, vbytes, vbits, counts, starts, icode, vcode, scale, buf, d
         s = scale[b]
         if vc != RAW:
             p = _put(buf, p, s & 0xFFFF, 2)
-        off = starts[b]
-        prev = off - 1
         if ic == BITMAP:
-            nbytes = (rel[pos + c - 1] - off) // 8 + 1
-            for t in range(nbytes):
-                buf[p + t] = 0
-            for j in range(pos, pos + c):
-                r = rel[j] - off
-                buf[p + (r >> 3)] |= 1 << (r & 7)
-            p += nbytes
-        elif ic == LADDER_1:
-            for j in range(pos, pos + c):
-                g = rel[j] - prev - 1
-                prev = rel[j]
-                if g < 0xFFFF:
-                    # 1 byte, or the escape and 2 bytes: stored either way, p moves by 1 or 3
-                    esc = g >= 0xFF
-                    buf[p] = 0xFF if esc else g
-                    buf[p + 1] = g & 0xFF
-                    buf[p + 2] = g >> 8
-                    p += 3 if esc else 1
-                else:
-                    p = _put_ladder(buf, p, g, 1)
-        elif ic == LADDER_2:
-            for j in range(pos, pos + c):
-                g = rel[j] - prev - 1
-                prev = rel[j]
-                if g < 0xFFFF:
-                    buf[p] = g & 0xFF
-                    buf[p + 1] = g >> 8
-                    p += 2
-                else:
-                    p = _put_ladder(buf, p, g, 2)
+            p = _write_bitmap(rel, buf, p, pos, c, starts[b])
         elif ic != PREFIX:
-            w = 1 << ic
-            for j in range(pos, pos + c):
-                p = _put_ladder(buf, p, rel[j] - prev - 1, w)
-                prev = rel[j]
+            p = _write_gaps(rel, buf, p, pos, c, starts[b], 1 << ic)
         if vc == RAW:
             for t in range(c * isz):
                 buf[p + t] = vbytes[pos * isz + t]
@@ -399,6 +437,74 @@ def _write(rel, vals, vbytes, vbits, counts, starts, icode, vcode, scale, buf, d
 
 
 # -- decoding ----------------------------------------------------------------------------------
+@numba.njit(**JIT, inline="always")
+def _read_codes(buf, p):
+    """The code byte at buf[p] (p < len(buf)) and, for a 16-bit value code, the scale exponent
+    after it. Returns (error, index code, value code, s, next position)."""
+    n = buf.shape[0]
+    code = np.int64(buf[p])
+    p += 1
+    ic = code & 0xF
+    vc = code >> 4
+    if ic > PREFIX or vc > BF16:
+        return _E_CODE, ic, vc, 0, p
+    s = 0
+    if vc != RAW:
+        if p + 2 > n:
+            return _E_TRUNC, ic, vc, 0, p
+        s = np.int64(buf[p]) | (np.int64(buf[p + 1]) << 8)
+        if s >= 0x8000:
+            s -= 0x10000
+        p += 2
+    return 0, ic, vc, s, p
+
+
+@numba.njit(**JIT, inline="always")
+def _read_bitmap(buf, p, c, rel, pos, off):
+    """The c indices of a BITMAP section at buf[p:], plus off, into rel[pos:]. Returns
+    (error, next position)."""
+    n = buf.shape[0]
+    j = 0
+    t = 0
+    while j < c:
+        if p + t >= n:
+            return _E_TRUNC, p
+        byte = np.int64(buf[p + t])
+        for bit in range(8):
+            if (byte >> bit) & 1:
+                if j == c:
+                    return _E_CODE, p  # more bits set than the count
+                rel[pos + j] = 8 * t + bit + off
+                j += 1
+        t += 1
+    return 0, p + t
+
+
+@numba.njit(**JIT, inline="always")
+def _read_gaps(buf, p, c, w, rel, pos, off):
+    """The c indices of a gap section (ladder numbers starting at w bytes) at buf[p:], plus
+    off, into rel[pos:]. Returns (error, next position). Gaps without an escape at w = 1 or 2
+    are read without the ladder loop."""
+    n = buf.shape[0]
+    prev = off - 1
+    for j in range(c):
+        if w == 1 and p < n and buf[p] < 0xFF:
+            g = np.int64(buf[p])
+            p += 1
+        elif w == 2 and p + 2 <= n and (buf[p] < 0xFF or buf[p + 1] < 0xFF):
+            g = np.int64(buf[p]) | (np.int64(buf[p + 1]) << 8)
+            p += 2
+        else:
+            g, p = _get_ladder(buf, p, w)
+            if p < 0:
+                return _E_TRUNC, p
+            if g > (1 << 62) - max(prev, 0):
+                return _E_RANGE, p
+        prev = prev + 1 + g
+        rel[pos + j] = prev
+    return 0, p
+
+
 @numba.njit(**JIT)
 def _decode(buf, nblocks, starts, counts, rel, vals, vbytes, vints):
     """Parse a message into counts, indices (block-relative plus starts[b]) and values (rel and
@@ -417,57 +523,18 @@ def _decode(buf, nblocks, starts, counts, rel, vals, vbytes, vints):
             continue
         if c > cap - pos or p >= n:
             return _E_TRUNC, pos
-        code = np.int64(buf[p])
-        p += 1
-        ic = code & 0xF
-        vc = code >> 4
-        if ic > PREFIX or vc > BF16:
-            return _E_CODE, pos
-        s = 0
-        if vc != RAW:
-            if p + 2 > n:
-                return _E_TRUNC, pos
-            s = np.int64(buf[p]) | (np.int64(buf[p + 1]) << 8)
-            if s >= 0x8000:
-                s -= 0x10000
-            p += 2
-        off = starts[b]
+        err, ic, vc, s, p = _read_codes(buf, p)
+        if err:
+            return err, pos
         if ic == PREFIX:
             for j in range(c):
-                rel[pos + j] = j + off
+                rel[pos + j] = j + starts[b]
         elif ic == BITMAP:
-            j = 0
-            t = 0
-            while j < c:
-                if p + t >= n:
-                    return _E_TRUNC, pos
-                byte = np.int64(buf[p + t])
-                for bit in range(8):
-                    if (byte >> bit) & 1:
-                        if j == c:
-                            return _E_CODE, pos  # more bits set than the count
-                        rel[pos + j] = 8 * t + bit + off
-                        j += 1
-                t += 1
-            p += t
+            err, p = _read_bitmap(buf, p, c, rel, pos, starts[b])
         else:
-            w = 1 << ic
-            prev = off - 1
-            for j in range(c):
-                if w == 1 and p < n and buf[p] < 0xFF:
-                    g = np.int64(buf[p])
-                    p += 1
-                elif w == 2 and p + 2 <= n and (buf[p] < 0xFF or buf[p + 1] < 0xFF):
-                    g = np.int64(buf[p]) | (np.int64(buf[p + 1]) << 8)
-                    p += 2
-                else:
-                    g, p = _get_ladder(buf, p, w)
-                    if p < 0:
-                        return _E_TRUNC, pos
-                    if g > (1 << 62) - max(prev, 0):
-                        return _E_RANGE, pos
-                prev = prev + 1 + g
-                rel[pos + j] = prev
+            err, p = _read_gaps(buf, p, c, 1 << ic, rel, pos, starts[b])
+        if err:
+            return err, pos
         if vc == RAW:
             if c * isz > n - p:
                 return _E_TRUNC, pos
