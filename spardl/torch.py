@@ -325,6 +325,42 @@ def _layout(names, params) -> str:
     return f"n={n}, {len(params)} tensors, layout hash {name_hash(shapes)}"
 
 
+def _named_trainable(params) -> list:
+    """The (name, parameter) pairs of ``params`` with ``requires_grad``, named by their position
+    unless given as (name, parameter) pairs.
+
+    Raises
+    ------
+    TypeError
+        If ``params`` is a single tensor or holds something else than tensors, or a trainable
+        parameter is not floating point.
+    ValueError
+        If ``params`` holds a parameter twice or none with ``requires_grad``.
+    """
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params must be an iterable of parameters (model.parameters()), got a "
+            "single Tensor; pass [tensor]"
+        )
+    named = []
+    seen = {}
+    for i, item in enumerate(params):
+        name, p = item if isinstance(item, tuple) else (str(i), item)
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params must hold tensors, got {type(p).__name__}")
+        if id(p) in seen:
+            raise ValueError(f"params holds the same parameter twice ({seen[id(p)]} and {name})")
+        seen[id(p)] = name
+        if p.requires_grad:
+            named.append((name, p))
+    if not named:
+        raise ValueError("params holds no parameter with requires_grad=True")
+    bad = sorted({str(p.dtype) for _, p in named if not p.dtype.is_floating_point})
+    if bad:
+        raise TypeError(f"params must be floating point, got dtype(s) {bad}")
+    return named
+
+
 _ANNOUNCED = False
 
 
@@ -494,39 +530,10 @@ class _Core:
         becomes the allreducer's input), the allreduce, and factor masking of u."""
         dense = self.step < self.warmup_steps
         ar = self.allreducer(dense)
-        tech = self.tech
-        # The warm-up moves ρ before the step; a step that raises or is skipped puts it back,
-        # with what derives from it (budgets, h, thresholds), by the allreducer's own snapshot.
-        before_density = None
-        if not dense and tech.density_warmup:
-            rho = warmup_density_at(
-                self.step - self.warmup_steps,
-                tech.density_warmup,
-                tech.warmup_density,
-                self.target_density,
-            )
-            if rho != ar.density:
-                before_density = ar._snapshot()
-                ar.set_density(rho)
-        if tech.clip_norm is not None:
+        before_density = self._warm_density(ar, dense)
+        if self.tech.clip_norm is not None:
             self._clip()
-        x_in = u_before = None
-        if tech.momentum is not None:
-            u = self._velocity()
-            u_before = u.clone()  # a step that raises or is skipped leaves u as it was
-            kept = [(a, b, u[a:b].clone()) for a, b in unused]
-            u.mul_(tech.momentum).add_(self.flat)  # as torch.optim.SGD's momentum buffer
-            for a, b, v in kept:
-                u[a:b] = v
-            self.flat.copy_(u)
-            for a, b, _ in kept:
-                self.flat[a:b].zero_()
-            if tech.factor_masking and not dense:
-                # X = u + E_old, in the allreducer's work dtype and the same float operations.
-                flat = self.flat
-                work = torch.float32 if flat.dtype == torch.float16 else flat.dtype
-                x_in = flat.to(work, copy=True)
-                x_in += _tensor(ar.residual, flat).to(work)
+        u_before, x_in = self._accumulate_velocity(ar, unused, dense)
         keep = []
         if not dense and unused and ar.residual_mode != "none":
             res = _tensor(ar.residual, self.flat)
@@ -537,17 +544,12 @@ class _Core:
         try:
             out = ar(buf)
         except BaseException:
-            if u_before is not None:
-                self.velocity = u_before
-            if before_density is not None:
-                ar._restore(before_density)
+            self._undo(ar, u_before, before_density)
             raise
         applied = ar.stats.get("skipped_steps", 0) == skipped
         if not applied:  # nonfinite="skip": as if the step had not been taken
-            if u_before is not None:
-                self.velocity, x_in = u_before, None
-            if before_density is not None:
-                ar._restore(before_density)
+            self._undo(ar, u_before, before_density)
+            x_in = None
         if keep:
             res = _tensor(ar.residual, self.flat)  # the allreducer's own array: a view
             for a, b, v in keep:
@@ -561,6 +563,57 @@ class _Core:
         if applied:  # the schedules (dense warm-up, density warm-up) count applied steps
             self.step += 1
         return out
+
+    def _warm_density(self, ar, dense: bool):
+        """Move ρ to this step's density warm-up value; returns the allreducer's snapshot
+        taken before (None when ρ did not move), with which a step that raises or is skipped
+        puts ρ back, with what derives from it (budgets, h, thresholds)."""
+        tech = self.tech
+        if dense or not tech.density_warmup:
+            return None
+        rho = warmup_density_at(
+            self.step - self.warmup_steps,
+            tech.density_warmup,
+            tech.warmup_density,
+            self.target_density,
+        )
+        if rho == ar.density:
+            return None
+        before = ar._snapshot()
+        ar.set_density(rho)
+        return before
+
+    def _accumulate_velocity(self, ar, unused, dense: bool):
+        """Momentum correction: u ← m·u + g (the ``unused`` slices of u kept), copied into
+        ``self.flat`` (zero on the unused slices). Returns (u before, X = u + E_old in the
+        allreducer's work dtype for factor masking or None); (None, None) without momentum."""
+        tech = self.tech
+        if tech.momentum is None:
+            return None, None
+        u = self._velocity()
+        u_before = u.clone()  # a step that raises or is skipped leaves u as it was
+        kept = [(a, b, u[a:b].clone()) for a, b in unused]
+        u.mul_(tech.momentum).add_(self.flat)  # as torch.optim.SGD's momentum buffer
+        for a, b, v in kept:
+            u[a:b] = v
+        self.flat.copy_(u)
+        for a, b, _ in kept:
+            self.flat[a:b].zero_()
+        if not tech.factor_masking or dense:
+            return u_before, None
+        # X = u + E_old, in the allreducer's work dtype and the same float operations.
+        flat = self.flat
+        work = torch.float32 if flat.dtype == torch.float16 else flat.dtype
+        x_in = flat.to(work, copy=True)
+        x_in += _tensor(ar.residual, flat).to(work)
+        return u_before, x_in
+
+    def _undo(self, ar, u_before, before_density) -> None:
+        """A step that raised or was skipped: the velocity and the density as they were."""
+        if u_before is not None:
+            self.velocity = u_before
+        if before_density is not None:
+            ar._restore(before_density)
 
     def _clip(self) -> None:
         """Local gradient clipping (arXiv 1712.01887 §3.3): this rank's whole gradient is scaled
@@ -1357,8 +1410,29 @@ class SparseHookState(_Front):
         return fut
 
     def _reduce(self, inflight) -> None:
-        core, err = self._core, None
-        seen = []  # (param, buffer, offset in it), dense buckets only
+        """Reduce the iteration's buckets ``inflight`` ((buffer, parameters, future) each) as one
+        flat gradient, and write the result back into the buffers."""
+        core = self._core
+        err, seen, params = self._dense_slices(inflight)
+        first = False
+        if core.keys is None:
+            first = self._first_layout(params, inflight)
+        local, err = self._copy_in(seen, first, err)
+        total = core.ctl.allreduce(local)
+        if total[0]:
+            _raise_everywhere(core.ctl, err)
+        o = core.offsets
+        core.run([(o[i], o[i + 1]) for i in range(len(core.keys)) if total[1 + i] == 0])
+        with torch.no_grad():
+            for p, buf, off in seen:
+                i = self._index[id(p)]
+                buf[off : off + p.numel()].copy_(core.flat[o[i] : o[i + 1]])
+
+    def _dense_slices(self, inflight):
+        """Where each parameter's gradient lies: (error, [(param, buffer, offset in it)] of the
+        dense buckets, every parameter); the error names a bucket with a sparse gradient."""
+        err = None
+        seen = []
         params = []
         for buf, ps, _ in inflight:
             params += ps
@@ -1375,22 +1449,32 @@ class SparseHookState(_Front):
             for p in ps:
                 seen.append((p, buf, off))
                 off += p.numel()
-        if core.keys is None:
-            ids = {id(p) for p in params}
-            order = [p for p in self._params if id(p) in ids] if self._params else []
-            order += [p for p in params if id(p) not in {id(q) for q in order}]
-            self._order = order
-            self._index = {id(p): i for i, p in enumerate(order)}
-            keys = [self._name(p, i) for i, p in enumerate(order)]
-            dtype = _flat_dtype(p.dtype for p in order)
-            devices = {buf.device for buf, _, _ in inflight}
-            device = devices.pop() if len(devices) == 1 else None
-            core.set_layout(keys, [p.numel() for p in order], dtype, device)
-            first = self._used is None
-            if first:
-                self._track(order)
-        else:
-            first = False
+        return err, seen, params
+
+    def _first_layout(self, params, inflight) -> bool:
+        """The flat layout at the first iteration: the parameters in the order given to the
+        state (then those it did not list), on the buckets' device when they share one.
+        Returns whether usage is tracked from now on (the first call)."""
+        ids = {id(p) for p in params}
+        order = [p for p in self._params if id(p) in ids] if self._params else []
+        order += [p for p in params if id(p) not in {id(q) for q in order}]
+        self._order = order
+        self._index = {id(p): i for i, p in enumerate(order)}
+        keys = [self._name(p, i) for i, p in enumerate(order)]
+        dtype = _flat_dtype(p.dtype for p in order)
+        devices = {buf.device for buf, _, _ in inflight}
+        device = devices.pop() if len(devices) == 1 else None
+        self._core.set_layout(keys, [p.numel() for p in order], dtype, device)
+        first = self._used is None
+        if first:
+            self._track(order)
+        return first
+
+    def _copy_in(self, seen, first: bool, err):
+        """Copy the gradients into the flat buffer (zeros for parameters no bucket holds).
+        Returns (the control vector [failed, used per parameter], error); the error names a
+        parameter that was not in the first iteration's layout. Usage is reset."""
+        core = self._core
         m = len(core.keys)
         local = np.zeros(1 + m, dtype=np.int64)
         present = np.zeros(m, dtype=bool)
@@ -1413,15 +1497,7 @@ class SparseHookState(_Front):
         local[0] = err is not None
         for key in self._used:
             self._used[key] = False
-        total = core.ctl.allreduce(local)
-        if total[0]:
-            _raise_everywhere(core.ctl, err)
-        unused = [(o[i], o[i + 1]) for i in range(m) if total[1 + i] == 0]
-        core.run(unused)
-        with torch.no_grad():
-            for p, buf, off in seen:
-                i = self._index[id(p)]
-                buf[off : off + p.numel()].copy_(flat[o[i] : o[i + 1]])
+        return local, err
 
 
 def sparse_allreduce_hook(state: SparseHookState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -1545,28 +1621,7 @@ class SparseGradientReducer(_Front):
         err, tech = None, None
         named = []
         try:
-            if isinstance(params, torch.Tensor):
-                raise TypeError(
-                    "params must be an iterable of parameters (model.parameters()), got a "
-                    "single Tensor; pass [tensor]"
-                )
-            seen = {}
-            for i, item in enumerate(params):
-                name, p = item if isinstance(item, tuple) else (str(i), item)
-                if not isinstance(p, torch.Tensor):
-                    raise TypeError(f"params must hold tensors, got {type(p).__name__}")
-                if id(p) in seen:
-                    raise ValueError(
-                        f"params holds the same parameter twice ({seen[id(p)]} and {name})"
-                    )
-                seen[id(p)] = name
-                if p.requires_grad:
-                    named.append((name, p))
-            if not named:
-                raise ValueError("params holds no parameter with requires_grad=True")
-            bad = sorted({str(p.dtype) for _, p in named if not p.dtype.is_floating_point})
-            if bad:
-                raise TypeError(f"params must be floating point, got dtype(s) {bad}")
+            named = _named_trainable(params)
             self._warmup = _check_warmup(warmup_steps)
             tech = _Techniques(
                 momentum_correction,
