@@ -1,4 +1,6 @@
-"""Regenerate docs/api.md from the docstrings: ``python docs/make_api.py > docs/api.md``.
+"""Regenerate docs/api.md from the docstrings:
+``NUMBA_ENABLE_CUDASIM=1 python docs/make_api.py > docs/api.md`` (the simulator lets
+``spardl_kernels.cuda.arrays`` import on a machine without a GPU).
 
 Every public name (``__all__``) of both packages, with its signature and the first line of its
 docstring. Importing ``spardl.torch`` needs torch; the CUDA kernels need nothing at import.
@@ -50,9 +52,10 @@ def _sig(obj) -> str:
 def main() -> None:
     print("# API reference\n")
     print(
-        "Generated from the docstrings by `python docs/make_api.py > docs/api.md`; every public "
-        "name (`__all__`) with its signature and one-line summary. The docstrings hold the "
-        "shapes, dtypes, errors and sources.\n"
+        "Generated from the docstrings by "
+        "`NUMBA_ENABLE_CUDASIM=1 python docs/make_api.py > docs/api.md`; every public name "
+        "(`__all__`) with its signature and one-line summary. The docstrings hold the shapes, "
+        "dtypes, errors and sources.\n"
     )
     for modname in MODULES:
         try:

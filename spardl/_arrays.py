@@ -5,7 +5,9 @@ is either a NumPy array or, for GPU gradients, a Numba device array; these funct
 and return the same kind, so an algorithm reads the same for both. Host arrays run NumPy; device
 arrays run the small ``@cuda.jit`` kernels of :mod:`spardl_kernels.cuda.arrays` (imported only
 when a device array is seen, so CPU-only use never imports ``numba.cuda``). Results are bit for
-bit equal on both sides (plain IEEE operations in the same order). Small host-side metadata
+bit equal on both sides, NaN included: plain IEEE operations in the same order, every NaN that
+arithmetic makes written as the canonical NaN, casts between float16 and float32 by bits
+(docs/design.md §3.4). Small host-side metadata
 (counts, bounds, schedules) stays NumPy and does not come here.
 """
 
@@ -15,6 +17,8 @@ import sys
 
 import numpy as np
 
+import spardl_kernels as K
+from spardl_kernels.cpu import arrays as host_ops
 from spardl_kernels.devices import cuda_backend, is_device_array
 
 __all__ = [
@@ -106,29 +110,29 @@ def copy(x):
 
 
 def cast(x, dtype, copy: bool = True):
-    """``x.astype(dtype)``; without ``copy`` the same object when the dtype already matches."""
+    """x converted to ``dtype`` (``spardl_kernels.cpu.arrays.cast``: float16 <-> float32 by
+    bits, NaN kept); without ``copy`` the same object when the dtype already matches."""
     dtype = np.dtype(dtype)
     if not copy and x.dtype == dtype:
         return x
-    return device_ops().cast(x, dtype) if is_device(x) else x.astype(dtype, copy=True)
+    return (device_ops() if is_device(x) else host_ops).cast(x, dtype)
 
 
 def accumulate(g, e, out=None):
-    """X = g + e in e's dtype (g is converted exactly, then added): the same bits as
-    ``add_into(cast(g, e.dtype), e)``, in one pass over host memory instead of two. Written
-    into ``out`` (a host array of e's shape and dtype, not e itself) when given, else into a new
-    array; ``out`` is ignored for device arrays."""
-    if is_device(g):
-        return device_ops().add_into(device_ops().cast(g, e.dtype), e)
-    return np.add(g, e, out=out, dtype=e.dtype)
+    """X = g + e in e's dtype (g is converted exactly, then added; a NaN sum canonical): the
+    summing pass of ``accumulate_topk`` with nothing selected, one pass over memory. Written
+    into ``out`` (a host array of e's shape and dtype, sharing no memory with g or e) when
+    given, else into a new array; ``out`` is ignored for device arrays."""
+    none, whole = np.zeros(1, np.int64), np.array([0, e.shape[0]], np.int64)
+    return K.accumulate_topk(g, e, none, whole, out=None if is_device(g) else out)[0]
 
 
 def add_into(x, y):
-    """``x += y`` in place; returns x."""
+    """``x += y`` in place, a NaN sum canonical; returns x."""
     if is_device(x):
         return device_ops().add_into(x, y)
     x += y
-    return x
+    return host_ops.canonicalize(x)
 
 
 def set_at(s, idx, vals):
@@ -178,7 +182,7 @@ def sub_members(s, idx, vals, members):
     if is_device(s):
         return device_ops().sub_members(s, idx, vals, members)
     hit = _member_mask(idx, members)
-    s[idx[hit]] = s[idx[hit]] + (-vals[hit])
+    s[idx[hit]] = host_ops.canonicalize(s[idx[hit]] + (-vals[hit]))
     return s
 
 
@@ -202,11 +206,12 @@ def absolute(a):
 
 
 def divide(a, s, out=None):
-    """``a / a.dtype.type(s)`` in a's dtype: a new array, or written into ``out`` (an array of
-    the same kind, length and dtype; ``out`` may be ``a``) and returned."""
+    """``a / a.dtype.type(s)`` in a's dtype, a NaN quotient canonical: a new array, or written
+    into ``out`` (an array of the same kind, length and dtype; ``out`` may be ``a``) and
+    returned."""
     if is_device(a):
         return device_ops().divide(a, s, out)
-    return np.divide(a, a.dtype.type(s), out=out)
+    return host_ops.canonicalize(np.divide(a, a.dtype.type(s), out=out))
 
 
 def all_finite(a) -> bool:

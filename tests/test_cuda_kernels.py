@@ -788,6 +788,23 @@ def test_accumulate_topk_nan_bits_cpu_equals_gpu(data, dtype):
 
 
 @NAN_SETTINGS
+@given(data=st.data(), dtype=st.sampled_from([np.float16, np.float32, np.float64]))
+def test_cast_and_canonicalize_nan_bits_cpu_equals_gpu(data, dtype):
+    from spardl_kernels.cpu import arrays as host_ops
+    from spardl_kernels.cuda import arrays as device_ops
+
+    x = nan_mix(data, dtype, 7)
+    for target in (np.float16, np.float32, np.float64):
+        with np.errstate(over="ignore", invalid="ignore"):
+            assert_unsigned_bits_equal(
+                host(device_ops.cast(dev(x), target)), host_ops.cast(x, target)
+            )
+    d = dev(x)
+    device_ops.canonicalize(d)
+    assert_unsigned_bits_equal(host(d), host_ops.canonicalize(x.copy()))
+
+
+@NAN_SETTINGS
 @given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64]))
 def test_dense_passes_nan_bits_cpu_equals_gpu(data, dtype):
     from spardl_kernels.cpu import arrays as host_ops

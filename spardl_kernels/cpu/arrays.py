@@ -1,5 +1,6 @@
 """Host array passes besides the thirteen kernels, for code built on them (``spardl``'s
-collective layer): the fused division-and-count that ends a dense allreduce.
+collective layer): the fused division-and-count that ends a dense allreduce, and the casts and
+NaN rewriting whose bits must equal the device's.
 
 Not kernels of the contract (docs/design.md §3.5): they are in-place passes of one allreducer
 over a dense work vector, not operations on sparse vectors, so ``spardl_kernels`` does not
@@ -10,10 +11,10 @@ IEEE division in x's dtype, and every NaN written as the canonical NaN (§3.4).
 import numpy as np
 from numba import njit
 
-from .. import _validate
-from ._common import JIT, as_array, canonical
+from .. import _contract, _validate
+from ._common import JIT, as_array, canonical, narrow_half, widen_half
 
-__all__ = ["divide_count_nonfinite", "canonical_count_nonfinite"]
+__all__ = ["divide_count_nonfinite", "canonical_count_nonfinite", "cast", "canonicalize"]
 
 
 @njit(**JIT)
@@ -101,3 +102,60 @@ def canonical_count_nonfinite(x):
     """
     x = _work_array(x)
     return int(_canonical_count_nonfinite(x))
+
+
+def canonicalize(x):
+    """Every NaN of x rewritten, in place, as the canonical NaN of its dtype; returns x.
+
+    Parameters
+    ----------
+    x : ndarray of shape (m,), float16, float32 or float64, writeable
+
+    Returns
+    -------
+    ndarray
+        x itself.
+
+    Notes
+    -----
+    docs/design.md §3.4: float16 ``0x7E00``, float32 ``0x7FC00000``, float64
+    ``0x7FF8000000000000``. Used by ``spardl``'s layer after the arithmetic it does in NumPy, so
+    that its results have the device's bits (:func:`spardl_kernels.cuda.arrays.canonicalize`).
+    """
+    nan = np.isnan(x)
+    if nan.any():
+        x.view(_contract.BITS[x.dtype.name])[nan] = _contract.canonical_nan_bits(x.dtype)
+    return x
+
+
+def cast(a, dtype):
+    """``a`` converted to ``dtype`` (a new array), with the same bits on every machine.
+
+    Parameters
+    ----------
+    a : ndarray of shape (m,)
+    dtype : dtype
+
+    Returns
+    -------
+    ndarray of shape (m,), ``dtype``
+
+    Notes
+    -----
+    The same dtype is a bit copy. float16 -> float32 is exact and float32 -> float16 rounds once
+    (to nearest, ties to even; past ±65504 to ±inf), both by bit manipulation: a NaN keeps its
+    sign and its payload's top bits, as in the kernels' float16 sums (docs/design.md §3.4), where
+    NumPy's conversions may quiet a signalling NaN. Any other pair of float dtypes converts
+    values and writes a NaN as the canonical NaN of ``dtype``; integer dtypes convert as
+    ``astype``. The device twin is :func:`spardl_kernels.cuda.arrays.cast`.
+    """
+    a, dt = as_array(a, "a"), np.dtype(dtype)
+    if a.dtype == dt:
+        return np.array(a, copy=True)
+    if (a.dtype.name, dt.name) == ("float16", "float32"):
+        return widen_half(a)
+    if (a.dtype.name, dt.name) == ("float32", "float16"):
+        return narrow_half(np.ascontiguousarray(a))
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = a.astype(dt)
+    return canonicalize(out) if a.dtype.kind == "f" and dt.kind == "f" else out

@@ -1,16 +1,18 @@
 """Device array operations besides the thirteen kernels, for code built on them (``spardl``'s
 collective layer, through ``spardl._arrays``): the few elementwise operations an allreducer does
 on its per-step buffers (X = g + E, setting and zeroing positions, index shifts, casts, packing).
-They are not kernels of the contract and have no CPU twin here: on the host they are one NumPy
-expression each. The exceptions are ``divide_count_nonfinite`` and
-``canonical_count_nonfinite``, the dense allreducer's pass, whose host twins are in
-:mod:`spardl_kernels.cpu.arrays` (same bits, the canonical NaN of docs/design.md §3.4).
+They are not kernels of the contract. Most have no CPU twin module: on the host they are one
+NumPy expression each (in ``spardl._arrays``). The exceptions, with twins of the same name and
+bits in :mod:`spardl_kernels.cpu.arrays`, are ``cast`` and ``canonicalize`` and the dense
+allreducer's passes ``divide_count_nonfinite`` and ``canonical_count_nonfinite``.
 
 Every function takes and returns Numba device arrays (or objects exposing
 ``__cuda_array_interface__``, wrapped zero-copy) and runs on the GPU or the CUDA simulator.
 Launch sizes come from :mod:`spardl_kernels.config` through ``_common.launch``. Results are bit
 for bit those of the NumPy expressions named in each docstring (IEEE single/double operations,
-no fast-math).
+no fast-math), with one rule on top (docs/design.md §3.4): a value computed by arithmetic (a sum,
+a difference, a quotient) that is NaN is written as the canonical NaN of its dtype, whatever NaN
+the GPU made; copies keep their bits.
 """
 
 import math
@@ -21,16 +23,47 @@ from numba import cuda, int64
 from .. import _validate
 from . import _common as C
 
+__all__ = [
+    "view",
+    "empty",
+    "zeros",
+    "copy",
+    "cast",
+    "canonicalize",
+    "add_into",
+    "set_at",
+    "zero_at",
+    "zero_members",
+    "set_outside",
+    "sub_members",
+    "shift",
+    "take",
+    "absolute",
+    "divide",
+    "all_finite",
+    "arange",
+    "concat",
+    "aligned",
+    "copy_into",
+    "shift_into",
+    "divide_count_nonfinite",
+    "canonical_count_nonfinite",
+]
+
 # ---------------------------------------------------------------------------------------------
 # kernels (grid-stride, one element per thread)
 # ---------------------------------------------------------------------------------------------
 
 
 @cuda.jit
-def _add_into(x, y):
-    # x += y
+def _add_into(x, y, nan):
+    # x += y, a NaN sum written as `nan`
     for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
-        x[i] += y[i]
+        v = x[i] + y[i]
+        if v != v:
+            x[i] = nan
+        else:
+            x[i] = v
 
 
 @cuda.jit
@@ -83,11 +116,16 @@ def _set_outside(s, idx, vals, members):
 
 
 @cuda.jit
-def _sub_members(s, idx, vals, members):
-    # s[idx[j]] += -vals[j] where idx[j] is in members (scatter_add of the negated values)
+def _sub_members(s, idx, vals, members, nan):
+    # s[idx[j]] += -vals[j] where idx[j] is in members (scatter_add of the negated values), a
+    # NaN sum written as `nan`
     for j in range(cuda.grid(1), idx.shape[0], cuda.gridsize(1)):
         if _member(members, idx[j]):
-            s[idx[j]] = s[idx[j]] + (-vals[j])
+            v = s[idx[j]] + (-vals[j])
+            if v != v:
+                s[idx[j]] = nan
+            else:
+                s[idx[j]] = v
 
 
 @cuda.jit
@@ -111,10 +149,33 @@ def _abs(a, out):
 
 
 @cuda.jit
-def _divide(a, s, out):
-    # out = a / s, s of a's dtype
+def _divide(a, s, nan, out):
+    # out = a / s, s of a's dtype, a NaN quotient written as `nan`
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
-        out[i] = a[i] / s
+        v = a[i] / s
+        if v != v:
+            out[i] = nan
+        else:
+            out[i] = v
+
+
+@cuda.jit
+def _convert(a, nan, out):
+    # out = a converted to out's dtype, a NaN written as `nan` (float pairs other than
+    # float16 <-> float32, which convert by bits)
+    for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        v = a[i]
+        if v != v:
+            out[i] = nan
+        else:
+            out[i] = v
+
+
+@cuda.jit
+def _canonicalize(x, nan):
+    for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        if x[i] != x[i]:
+            x[i] = nan
 
 
 @cuda.jit
@@ -171,10 +232,12 @@ def view(x):
 
 
 def empty(m, dtype):
+    """An uninitialised device array of m ``dtype``."""
     return C.empty(int(m), dtype)
 
 
 def zeros(m, dtype):
+    """A device array of m zeros of ``dtype``."""
     out = C.empty(int(m), dtype)
     if m:
         C.launch(_fill, m)(out, np.dtype(dtype).type(0))
@@ -191,14 +254,54 @@ def copy(a):
 
 
 def cast(a, dtype):
-    """``a.astype(dtype)`` on the device (a new array; float16 -> float32 is exact)."""
-    return C.cast(view(a), np.dtype(dtype))
+    """``a`` converted to ``dtype`` on the device (a new array): the twin of
+    :func:`spardl_kernels.cpu.arrays.cast`, bit for bit.
+
+    The same dtype is a bit copy; float16 -> float32 is exact and float32 -> float16 rounds once
+    (to nearest, ties to even; past ±65504 to ±inf), both by bit manipulation, so a NaN keeps
+    its sign and payload as the kernels' conversions keep them (docs/design.md §3.4); any other
+    pair of float dtypes converts values and writes a NaN as the canonical NaN of ``dtype``;
+    integer dtypes convert as NumPy's ``astype``.
+
+    Parameters
+    ----------
+    a : device array of shape (m,)
+    dtype : dtype
+
+    Returns
+    -------
+    device array of shape (m,), ``dtype``
+    """
+    a, dt = view(a), np.dtype(dtype)
+    src = np.dtype(a.dtype)
+    if src == dt:
+        return copy(a)
+    if (src.name, dt.name) == ("float16", "float32"):
+        return C.widen_half(a)
+    if (src.name, dt.name) == ("float32", "float16"):
+        return C.narrow_half(a)
+    if src.kind == "f" and dt.kind == "f":
+        out = C.empty(a.shape[0], dt)
+        if a.shape[0]:
+            C.launch(_convert, a.shape[0])(a, C.canonical_nan(dt), out)
+        return out
+    return C.cast(a, dt)
+
+
+def canonicalize(x):
+    """Every NaN of the device array ``x`` rewritten, in place, as the canonical NaN of its
+    dtype (docs/design.md §3.4); returns x. The twin of
+    :func:`spardl_kernels.cpu.arrays.canonicalize`."""
+    x = view(x)
+    if x.shape[0]:
+        C.launch(_canonicalize, x.shape[0])(x, C.canonical_nan(x.dtype))
+    return x
 
 
 def add_into(x, y):
-    """``x += y`` in place."""
+    """``x += y`` in place, a NaN sum written as the canonical NaN (docs/design.md §3.4)."""
     if x.shape[0]:
-        C.launch(_add_into, x.shape[0])(x, view(y))
+        C.launch(_add_into, x.shape[0])(x, view(y), C.canonical_nan(x.dtype))
     return x
 
 
@@ -231,9 +334,12 @@ def set_outside(s, idx, vals, members):
 
 
 def sub_members(s, idx, vals, members):
-    """``s[i] += -v`` for every (i, v) of (idx, vals) with i in the ascending ``members``."""
+    """``s[i] += -v`` for every (i, v) of (idx, vals) with i in the ascending ``members``, a
+    NaN sum written as the canonical NaN."""
     if idx.shape[0] and members.shape[0]:
-        C.launch(_sub_members, idx.shape[0])(s, view(idx), view(vals), view(members))
+        C.launch(_sub_members, idx.shape[0])(
+            s, view(idx), view(vals), view(members), C.canonical_nan(s.dtype)
+        )
     return s
 
 
@@ -256,6 +362,7 @@ def take(a, pos):
 
 
 def absolute(a):
+    """``abs(a)`` (a new array; the sign bit cleared, NaN payloads kept)."""
     a = view(a)
     out = C.empty(a.shape[0], a.dtype)
     if a.shape[0]:
@@ -264,11 +371,13 @@ def absolute(a):
 
 
 def divide(a, s, out=None):
-    """``a / a.dtype.type(s)``: a new array, or into ``out`` (same length and dtype; may be a)."""
+    """``a / a.dtype.type(s)``: a new array, or into ``out`` (same length and dtype; may be a);
+    a NaN quotient written as the canonical NaN."""
     a = view(a)
     out = C.empty(a.shape[0], a.dtype) if out is None else view(out)
     if a.shape[0]:
-        C.launch(_divide, a.shape[0])(a, np.dtype(a.dtype).type(s), out)
+        dt = np.dtype(a.dtype)
+        C.launch(_divide, a.shape[0])(a, dt.type(s), C.canonical_nan(dt), out)
     return out
 
 
@@ -283,6 +392,7 @@ def all_finite(a):
 
 
 def arange(m):
+    """int64 0 … m−1 on the device."""
     return C.arange(int(m))
 
 

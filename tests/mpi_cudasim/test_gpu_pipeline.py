@@ -256,6 +256,16 @@ def test_cuda_aware_detection_is_documented_and_forced(monkeypatch):
 # -- spardl._arrays: host and device twins ---------------------------------------------------
 
 
+def both(fn, *args):
+    """fn on host copies of the array arguments and on device copies: the same bits; the host
+    result."""
+    h = fn(*[a.copy() if isinstance(a, np.ndarray) else a for a in args])
+    d = fn(*[cuda.to_device(a) if isinstance(a, np.ndarray) else a for a in args])
+    assert A.is_device(d) and not A.is_device(h)
+    assert bits(d) == bits(h), fn
+    return h
+
+
 def test_arrays_twins():
     rng = np.random.default_rng(7)
     x = rng.standard_normal(37).astype(np.float32)
@@ -265,13 +275,6 @@ def test_arrays_twins():
     members = np.array([4, 5, 30], np.int64)
     vals = np.array([1.0, -2.0, 3.5, np.nan], np.float32)
     pos = np.array([2, 0, 36], np.int64)
-
-    def both(fn, *args):
-        h = fn(*[a.copy() if isinstance(a, np.ndarray) else a for a in args])
-        d = fn(*[cuda.to_device(a) if isinstance(a, np.ndarray) else a for a in args])
-        assert A.is_device(d) and not A.is_device(h)
-        assert bits(d) == bits(h), fn
-        return h
 
     both(A.copy, x)
     both(lambda a: A.cast(a, np.float16), x)
@@ -303,6 +306,56 @@ def test_arrays_twins():
     row = A.aligned(raw[3:19])
     assert bits(row) == bytes(range(3, 19))
     assert bits(row.view(np.int64)) == np.arange(3, 19, dtype=np.uint8).view(np.int64).tobytes()
+
+
+def _nan(dtype, payload):
+    """A NaN of ``dtype`` built from bits: a non-canonical payload, sign set when odd."""
+    dt = np.dtype(dtype)
+    width = dt.itemsize * 8
+    mant = {16: 10, 32: 23, 64: 52}[width]
+    sign = (payload & 1) << (width - 1)
+    b = sign | (((1 << (width - 1 - mant)) - 1) << mant) | (payload % (1 << mant) or 1)
+    return np.array([b], f"u{dt.itemsize}").view(dt)[0]
+
+
+def test_arrays_twins_write_the_canonical_nan():
+    """NaNs with payloads through the layer's arithmetic: every computed NaN is the canonical
+    one on both sides (so a GPU's own default NaN cannot reach the output), and the float16 <->
+    float32 casts keep a NaN's sign and payload by bits, signalling ones included."""
+    canon = {np.float16: 0x7E00, np.float32: 0x7FC00000, np.float64: 0x7FF8000000000000}
+    for dt in (np.float32, np.float64):
+        x = np.arange(1, 9, dtype=dt)
+        x[[1, 4]] = [_nan(dt, 5), _nan(dt, 2)]
+        y = np.ones(8, dt)
+        y[[2, 4]] = [_nan(dt, 3), np.inf]
+        x[6], y[6] = np.inf, -np.inf  # inf + (-inf)
+        u = f"u{np.dtype(dt).itemsize}"
+        with np.errstate(invalid="ignore"):
+            summed = both(A.add_into, x, y)
+            assert (summed.view(u)[np.isnan(summed)] == canon[dt]).all()
+            quotient = both(A.divide, x, 3)
+            assert (quotient.view(u)[np.isnan(quotient)] == canon[dt]).all()
+            idx, members = np.array([1, 2, 6], np.int64), np.array([1, 6], np.int64)
+            vals = np.array([1.0, 2.0, np.inf], dt)
+            diff = both(A.sub_members, x, idx, vals, members)
+            assert diff.view(u)[1] == canon[dt] and diff.view(u)[6] == canon[dt]
+            acc = both(A.accumulate, x, y)
+            assert (acc.view(u)[np.isnan(acc)] == canon[dt]).all() and np.isnan(acc).sum() == 4
+    h = np.array([0x7D00, 0xFD01, 0x7E01, 0x3C00, 0x7C01], np.uint16).view(np.float16)
+    w = both(lambda a: A.cast(a, np.float32), h)
+    assert w.view(np.uint32).tolist() == [
+        0x7FA00000,
+        0xFFA02000,
+        0x7FC02000,
+        0x3F800000,
+        0x7F802000,
+    ]
+    assert (
+        both(lambda a: A.cast(a, np.float16), w).view(np.uint16).tolist()
+        == h.view(np.uint16).tolist()
+    )
+    w64 = both(lambda a: A.cast(a, np.float64), w)
+    assert (w64.view(np.uint64)[np.isnan(w64)] == canon[np.float64]).all()
 
 
 def test_device_grad_errors_name_the_argument(comm):
