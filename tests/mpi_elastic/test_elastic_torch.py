@@ -56,6 +56,61 @@ def _sub(P):
     return None if sub == MPI.COMM_NULL else sub
 
 
+def _save_at(P, model, path):
+    """Three steps of a reducer on the first P ranks, then its state gathered to rank 0 and
+    saved to ``path``. Returns (communicator, reducer, gathered state, own state_dict()): None
+    off the P ranks."""
+    sub = _sub(P)
+    if sub is None:
+        return None, None, None, None
+    red = SparseGradientReducer(model.named_parameters(), sub, "oktopk", **OPTIONS)
+    for s in range(3):
+        _grads(model, s)
+        red.reduce()
+    gathered = elastic.gather_state(red, root=0)
+    elastic.save_checkpoint(red, path)
+    return sub, red, gathered, red.state_dict()
+
+
+def _resume_at(new, model2, gathered, path, step, own):
+    """A reducer on ``new`` loaded from the gathered state, checked against one loaded from the
+    checkpoint file and, given ``own`` (the same world), against this rank's saved state."""
+    loaded = SparseGradientReducer(model2.named_parameters(), new, "oktopk", **OPTIONS)
+    elastic.load_gathered_state(loaded, gathered if ME == 0 else None)
+    again = SparseGradientReducer(model2.named_parameters(), new, "oktopk", **OPTIONS)
+    elastic.load_checkpoint(again, path)
+    assert loaded.step == again.step == step
+    a, b = loaded.state_dict(), again.state_dict()
+    a.pop("stats"), b.pop("stats")  # the counters of the two reducers' own traffic differ
+    same_state(from_torch_state(a), from_torch_state(b))
+    if own is not None:  # the same world: each rank's own state, bit for bit
+        own.pop("stats")
+        same_state(from_torch_state(own), from_torch_state(a))
+    return loaded
+
+
+def _assert_sums_kept(got, want, exact):
+    """The world's sums carried over: bit for bit (``exact``, P' ≥ P) or to rounding."""
+    if exact:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7 * np.abs(want).max())
+
+
+def _hook_loaded(new, gathered, keys, model2, step):
+    """A SparseHookState on ``new`` loaded from the gathered state: kept as loaded until its
+    allreducer is made (the first sparse step), then applied at the saved step."""
+    hook = SparseHookState(new, "oktopk", warmup_steps=0, model=_model(), **OPTIONS)
+    elastic.load_gathered_state(hook, gathered if ME == 0 else None)
+    pending = hook.state_dict()["allreducer"]  # saved again before it is applied: kept
+    assert pending["world_size"] == new.Get_size() and pending["step"] == step
+    numels = [p.numel() for p in model2.parameters()]
+    hook._core.set_layout(keys, numels, torch.float32)  # what the first iteration does
+    hook._core.allreducer(dense=False)
+    assert hook.step == step and hook.allreducer.step == step
+    return hook
+
+
 @pytest.mark.parametrize("sizes", [(W, max(1, W - 1)), (max(1, W // 2), W)], ids=str)
 def test_reducer_and_hook_state_resume_at_another_world_size(sizes):
     P, Pn = sizes
@@ -63,42 +118,19 @@ def test_reducer_and_hook_state_resume_at_another_world_size(sizes):
     keys = [k for k, _ in model.named_parameters()]
     n = sum(p.numel() for p in model.parameters())
     path = os.path.join(DIR, f"torch-{P}-{Pn}.zip")
-    sub = _sub(P)
-    red = gathered = own = None
-    if sub is not None:
-        red = SparseGradientReducer(model.named_parameters(), sub, "oktopk", **OPTIONS)
-        for s in range(3):
-            _grads(model, s)
-            red.reduce()
-        gathered = elastic.gather_state(red, root=0)
-        elastic.save_checkpoint(red, path)
-        own = red.state_dict()
+    sub, red, gathered, own = _save_at(P, model, path)
     E, V = _sums(red, keys, n)
     step = WORLD.bcast(red.step if ME == 0 else None, root=0)
     assert np.abs(E).max() > 0 and np.abs(V).max() > 0  # there is something to carry
 
     new = _sub(Pn)
-    loaded = None
+    loaded = model2 = None
     if new is not None:
         model2 = _model()
-        loaded = SparseGradientReducer(model2.named_parameters(), new, "oktopk", **OPTIONS)
-        elastic.load_gathered_state(loaded, gathered if ME == 0 else None)
-        again = SparseGradientReducer(model2.named_parameters(), new, "oktopk", **OPTIONS)
-        elastic.load_checkpoint(again, path)
-        assert loaded.step == again.step == step
-        a, b = loaded.state_dict(), again.state_dict()
-        a.pop("stats"), b.pop("stats")  # the counters of the two reducers' own traffic differ
-        same_state(from_torch_state(a), from_torch_state(b))
-        if Pn == P:  # the same world: each rank's own state, bit for bit
-            own.pop("stats")
-            same_state(from_torch_state(own), from_torch_state(a))
+        loaded = _resume_at(new, model2, gathered, path, step, own if Pn == P else None)
     E2, V2 = _sums(loaded, keys, n)
-    if Pn >= P:
-        np.testing.assert_array_equal(E2, E)
-        np.testing.assert_array_equal(V2, V)
-    else:
-        np.testing.assert_allclose(E2, E, rtol=1e-6, atol=1e-7 * np.abs(E).max())
-        np.testing.assert_allclose(V2, V, rtol=1e-6, atol=1e-7 * np.abs(V).max())
+    _assert_sums_kept(E2, E, exact=Pn >= P)
+    _assert_sums_kept(V2, V, exact=Pn >= P)
 
     hook = None
     if new is not None:
@@ -106,20 +138,9 @@ def test_reducer_and_hook_state_resume_at_another_world_size(sizes):
         loaded.reduce()  # the next step runs on the new world
         assert loaded.step == step + 1
         assert_identical_everywhere(new, loaded.last_result)
-        # The hook's state: loaded now, applied when its allreducer is made (first sparse step).
-        hook = SparseHookState(new, "oktopk", warmup_steps=0, model=_model(), **OPTIONS)
-        elastic.load_gathered_state(hook, gathered if ME == 0 else None)
-        pending = hook.state_dict()["allreducer"]  # saved again before it is applied: kept
-        assert pending["world_size"] == Pn and pending["step"] == step
-        numels = [p.numel() for p in model2.parameters()]
-        hook._core.set_layout(keys, numels, torch.float32)  # what the first iteration does
-        hook._core.allreducer(dense=False)
-        assert hook.step == step and hook.allreducer.step == step
+        hook = _hook_loaded(new, gathered, keys, model2, step)
     H, _ = _sums(hook, keys, n)
-    if Pn >= P:
-        np.testing.assert_array_equal(H, E)
-    else:
-        np.testing.assert_allclose(H, E, rtol=1e-6, atol=1e-7 * np.abs(E).max())
+    _assert_sums_kept(H, E, exact=Pn >= P)
     for c in (new, sub):
         if c is not None:
             c.Free()
