@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 from mpirun import ROOT, run_mpi
+from scripts.fake_bucket import FakeBucket
 
 torch = pytest.importorskip("torch")
 
@@ -76,25 +77,6 @@ def test_error_completes_that_buckets_future(checks):
 
 
 # -- one rank, in this process ------------------------------------------------------------------
-class _Bucket:
-    """The part of torch.distributed.GradBucket the hook uses."""
-
-    def __init__(self, index, buffer, params, last):
-        self._i, self._b, self._p, self._last = index, buffer, params, last
-
-    def index(self):
-        return self._i
-
-    def buffer(self):
-        return self._b
-
-    def parameters(self):
-        return self._p
-
-    def is_last(self):
-        return self._last
-
-
 def _iteration(state, params, groups, seed):
     """Gradients from a real backward (so the used-parameter hooks fire), handed over in the
     fake buckets ``groups`` (parameter positions); the reduced gradients, by position."""
@@ -108,7 +90,7 @@ def _iteration(state, params, groups, seed):
     futs = []
     for b, group in enumerate(groups):
         buf = torch.cat([params[i].grad for i in group])
-        bucket = _Bucket(b, buf, [params[i] for i in group], b == len(groups) - 1)
+        bucket = FakeBucket(b, buf, [params[i] for i in group], b == len(groups) - 1)
         futs.append((group, state._bucket(bucket)))
     out = {}
     for group, fut in futs:

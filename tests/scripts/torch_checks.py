@@ -27,6 +27,11 @@ from spardl.torch import (
 )
 from spardl.train import build_model, load_digits_split
 
+try:  # run as a script: its own directory, tests/scripts, is on sys.path
+    from fake_bucket import FakeBucket
+except ImportError:  # loaded by a test in its process: tests/ is on sys.path
+    from scripts.fake_bucket import FakeBucket
+
 
 def rank_batches(rank, steps, batch, seed=0):
     x, y, _, _ = load_digits_split(seed)
@@ -113,25 +118,6 @@ def ddp_sparse_trains(world, algorithm):
         "bytes_sent": state.stats["bytes_sent"],
         "steps": state.step,
     }
-
-
-class FakeBucket:
-    """The part of torch.distributed.GradBucket the hook uses."""
-
-    def __init__(self, index, buffer, params, last):
-        self._i, self._b, self._p, self._last = index, buffer, params, last
-
-    def index(self):
-        return self._i
-
-    def buffer(self):
-        return self._b
-
-    def parameters(self):
-        return self._p
-
-    def is_last(self):
-        return self._last
 
 
 def _fake_step(state, grads, groups):

@@ -15,8 +15,9 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
+from fake_bucket import FakeBucket
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch_checks import FakeBucket, _same_everywhere, build_model_like, rank_batches
+from torch_checks import _same_everywhere, build_model_like, rank_batches
 
 from spardl.cli import run_collective
 from spardl.torch import SparseHookState, init_process_group_from_mpi, sparse_allreduce_hook
