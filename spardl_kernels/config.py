@@ -40,11 +40,11 @@ WINDOW_SIGMAS = 4.0
 
 # --- CPU threads (select_above, count_above, merge_add) -----------------------------------------
 # Threads of the multithreaded CPU workers. None: Numba's current setting (numba.get_num_threads(),
-# NUMBA_NUM_THREADS by default); an int is capped by NUMBA_NUM_THREADS. Each thread takes one
-# contiguous part of the input and the parts are joined in order, so results are identical for
-# every thread count. With several MPI ranks per node, set NUMBA_NUM_THREADS (e.g. cores / ranks,
-# or 1) before the first import of numba: ranks x threads above the core count makes every
-# parallel call wait on descheduled threads (tests/mpirun.py sets 1).
+# NUMBA_NUM_THREADS by default), capped under an MPI launcher at the process's cores divided by
+# the ranks on its node (cpu._common.node_share: ranks x threads above the core count makes every
+# parallel call wait on descheduled threads); an int is used as given, capped by
+# NUMBA_NUM_THREADS. Each thread takes one contiguous part of the input and the parts are joined
+# in order, so results are identical for every thread count.
 CPU_THREADS = None
 # Below these sizes the serial workers run (waking the thread pool costs more than it saves):
 # n for select_above/count_above, len(ia) + len(ib) for merge_add.

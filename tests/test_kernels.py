@@ -418,6 +418,40 @@ def threaded(threads, **names):
             setattr(config, name, value)
 
 
+@pytest.mark.parametrize(
+    ("env", "cores", "share"),
+    [
+        ({}, 2, None),  # not under a launcher: Numba's own setting stands
+        ({"MPI_LOCALNRANKS": "4"}, 2, 1),  # 4 ranks on 2 cores: one thread each
+        ({"MPI_LOCALNRANKS": "2"}, 8, 4),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 8, 2),
+        ({"MV2_COMM_WORLD_LOCAL_SIZE": "16"}, 8, 1),
+        ({"MPI_LOCALNRANKS": "x"}, 8, None),  # not a count: ignored
+    ],
+)
+def test_parallel_kernels_do_not_oversubscribe_the_node(monkeypatch, env, cores, share):
+    """Under an MPI launcher the kernels' threads per rank are capped at cores / ranks on the
+    node (with config.CPU_THREADS left at None); an explicit CPU_THREADS is used as given."""
+    from spardl_kernels.cpu import _common
+
+    for var in _common._LOCAL_SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(_common.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(_common.numba, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(_common.numba.config, "NUMBA_NUM_THREADS", 8)
+    _common.node_share.cache_clear()
+    try:
+        assert _common.node_share() == share
+        assert _common.cpu_threads(1 << 20, 1) == (8 if share is None else share)
+        assert _common.cpu_threads(10, 100) == 1
+        with threaded(3):
+            assert _common.cpu_threads(1 << 20, 1) == 3
+    finally:
+        _common.node_share.cache_clear()
+
+
 @SETTINGS
 @given(
     x=vectors(),

@@ -2,6 +2,8 @@
 NaN of computed values and exact float16 <-> float32 conversions."""
 
 import contextlib
+import functools
+import os
 
 import numba
 import numpy as np
@@ -65,11 +67,39 @@ def key_view(x):
     return x.view(view_dtype), mask, inf_key, nan_key
 
 
+# Environment variables in which MPI launchers tell a process how many ranks share its node:
+# MPICH's and Intel MPI's Hydra, Open MPI, MVAPICH2.
+_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+@functools.lru_cache(maxsize=1)
+def node_share():
+    """Threads this process may run without oversubscribing its cores: the cores it may run on
+    (its CPU affinity) divided by the ranks an MPI launcher put on the node, at least 1; None
+    when no launcher said (a plain process: Numba's own setting stands).
+
+    P ranks per node each running Numba's default thread count (one per core) put P times more
+    threads than cores on the node, and every parallel call then waits on descheduled threads:
+    measured on 2 cores with 4 ranks, Gaussian-k's step took 7x as long with 2 threads per rank
+    as with 1 (docs/performance.md, "Threads per rank"). Read from the environment once, without MPI.
+    """
+    for var in _LOCAL_SIZE_VARS:
+        v = os.environ.get(var, "").strip()
+        if v.isdigit() and int(v) > 0:
+            try:
+                cores = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):
+                cores = os.cpu_count() or 1
+            return max(1, cores // int(v))
+    return None
+
+
 def cpu_threads(size, min_size):
     """Threads a parallel kernel may use on ``size`` elements (1 = take the serial path).
 
-    ``config.CPU_THREADS`` (None: Numba's current ``numba.get_num_threads()``), capped by
-    ``NUMBA_NUM_THREADS``; 1 when ``size < min_size``, so small inputs never wake the pool.
+    ``config.CPU_THREADS`` (None: Numba's current ``numba.get_num_threads()``, capped by
+    :func:`node_share` under an MPI launcher), capped by ``NUMBA_NUM_THREADS``; 1 when
+    ``size < min_size``, so small inputs never wake the pool.
     """
     if size < min_size:
         return 1
@@ -78,7 +108,9 @@ def cpu_threads(size, min_size):
         return 1
     wanted = config.CPU_THREADS
     if wanted is None:
-        return numba.get_num_threads()
+        share = node_share()
+        threads = numba.get_num_threads()
+        return threads if share is None else max(1, min(threads, share))
     return max(1, min(int(wanted), limit))
 
 
