@@ -81,7 +81,8 @@ def node_share():
     P ranks per node each running Numba's default thread count (one per core) put P times more
     threads than cores on the node, and every parallel call then waits on descheduled threads:
     measured on 2 cores with 4 ranks, Gaussian-k's step took 7x as long with 2 threads per rank
-    as with 1 (docs/performance.md, "Threads per rank"). Read from the environment once, without MPI.
+    as with 1 (docs/performance.md, "Threads per rank"). Read from the environment once, without
+    MPI.
     """
     for var in _LOCAL_SIZE_VARS:
         v = os.environ.get(var, "").strip()
