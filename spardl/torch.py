@@ -38,6 +38,28 @@ __all__ = [
 ]
 
 
+def _start_numba_threads() -> None:
+    """Start Numba's thread pool now, keeping torch's intra-op thread count.
+
+    Numba's OpenMP threading layer sets the process's OpenMP thread count to its own pool size
+    (NUMBA_NUM_THREADS, one per core by default) when the pool starts, and torch reads the same
+    OpenMP setting: a job that set ``torch.set_num_threads(1)`` because P ranks share the cores
+    then ran its forward and backward passes on every core of every rank from the first
+    threaded kernel call on (measured: the language model's step with Gaussian-k took 5x as
+    long). Started here, once, the pool does not touch the setting again, and torch's count is
+    put back as it was.
+    """
+    import numba
+
+    threads = torch.get_num_threads()
+    numba.get_num_threads()  # starts the pool
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+_start_numba_threads()
+
+
 def _world():
     # Only the default of the convenience helpers below; everything else takes the communicator
     # as an argument.

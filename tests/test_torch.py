@@ -7,6 +7,7 @@ its measurements to JSON; each test below asserts on one part of them.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -35,6 +36,37 @@ def test_import_spardl_does_not_import_torch():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
+
+
+_THREADS_SCRIPT = """
+import torch
+torch.set_num_threads(1)
+assert torch.get_num_threads() == 1
+import spardl.torch  # noqa: F401
+import numpy as np
+from spardl_kernels import config, count_above
+config.SELECT_PARALLEL_MIN_N = 0
+config.CPU_THREADS = 2
+count_above(np.arange(1 << 16, dtype=np.float32), 5.0)  # a call on two threads
+print(torch.get_num_threads())
+"""
+
+
+def test_numba_threads_leave_torch_thread_count_alone():
+    """Numba's OpenMP pool, when it starts, sets the OpenMP thread count torch shares; importing
+    spardl.torch starts it with torch's count kept, so a threaded kernel call later leaves a job's
+    torch.set_num_threads(1) in force."""
+    env = {k: v for k, v in os.environ.items() if "LOCAL" not in k}
+    env["NUMBA_NUM_THREADS"] = "2"
+    out = subprocess.run(
+        [sys.executable, "-c", _THREADS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=True,
+    )
+    assert out.stdout.split()[-1] == "1", out.stdout + out.stderr
 
 
 @pytest.mark.mpi

@@ -110,6 +110,8 @@ def cpu_threads(size, min_size):
     wanted = config.CPU_THREADS
     if wanted is None:
         share = node_share()
+        if share == 1:  # decided without numba.get_num_threads(), which starts Numba's pool
+            return 1
         threads = numba.get_num_threads()
         return threads if share is None else max(1, min(threads, share))
     return max(1, min(int(wanted), limit))
