@@ -131,7 +131,8 @@ def add_into(x, y):
     """``x += y`` in place, a NaN sum canonical; returns x."""
     if is_device(x):
         return device_ops().add_into(x, y)
-    x += y
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and Inf are the caller's to judge
+        x += y
     return host_ops.canonicalize(x)
 
 
@@ -182,7 +183,8 @@ def sub_members(s, idx, vals, members):
     if is_device(s):
         return device_ops().sub_members(s, idx, vals, members)
     hit = _member_mask(idx, members)
-    s[idx[hit]] = host_ops.canonicalize(s[idx[hit]] + (-vals[hit]))
+    with np.errstate(invalid="ignore", over="ignore"):
+        s[idx[hit]] = host_ops.canonicalize(s[idx[hit]] + (-vals[hit]))
     return s
 
 
@@ -211,7 +213,8 @@ def divide(a, s, out=None):
     returned."""
     if is_device(a):
         return device_ops().divide(a, s, out)
-    return host_ops.canonicalize(np.divide(a, a.dtype.type(s), out=out))
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        return host_ops.canonicalize(np.divide(a, a.dtype.type(s), out=out))
 
 
 def all_finite(a) -> bool:

@@ -32,6 +32,7 @@ from .cli.common import (
     NONNEGATIVE_INT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
+    SEED,
     UsageError,
 )
 
@@ -240,7 +241,7 @@ def _add_model_options(p) -> None:
         default=None,
         help=f"lm only: characters per window (default: {lm['context']})",
     )
-    p.add_argument("--seed", type=int, default=d["seed"], help="default: %(default)s")
+    p.add_argument("--seed", type=SEED, default=d["seed"], help="default: %(default)s")
 
 
 def _add_dgc_options(p) -> None:

@@ -182,6 +182,8 @@ class Allreducer:
             "density": density,
             "op": op,
             "residual": residual,
+            "nonfinite": nonfinite,
+            "check": check,
             "wire": wire if isinstance(wire, str) else repr(wire),
             "options": repr(sorted(options.items())),
         }
@@ -680,6 +682,8 @@ class Allreducer:
             raise ValueError(
                 f"state residual has shape {getattr(res, 'shape', None)}, expected ({self.n},)"
             )
+        self._check_loaded_counters(state)
+        self._check_loaded_residual(state["dtype"], res)
         density = float(state.get("density", self.density))
         if density != self.density:
             self._validate_common(
@@ -697,6 +701,41 @@ class Allreducer:
         except Exception as e:  # noqa: BLE001 - a malformed state: restored, then a ValueError
             self._restore(saved)
             raise ValueError(f"state is malformed ({type(e).__name__}: {e})") from e
+
+    @staticmethod
+    def _check_loaded_counters(state) -> None:
+        """A state's step and call count: integers (not bools), ≥ 0."""
+        for key in ("step", "calls"):
+            check_int(f"state {key}", state[key])
+            if state[key] < 0:
+                raise ValueError(f"state {key} must be >= 0, got {state[key]}")
+
+    def _check_loaded_residual(self, dtype, res) -> None:
+        """A state's gradient dtype and residual: a float dtype, and a residual of its work dtype
+        (none before the first call), finite unless ``nonfinite="propagate"`` (the only mode in
+        which a NaN or Inf reaches a residual)."""
+        if dtype is None:
+            if res is not None:
+                raise ValueError("state residual given without a gradient dtype")
+            return
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError as e:
+            raise TypeError(f"state dtype {dtype!r} is not a dtype") from e
+        if dtype.name not in ("float16", "float32", "float64"):
+            raise TypeError(f"state dtype must be float16, float32 or float64, got {dtype}")
+        if res is None:
+            return
+        host = A.to_host(res)
+        want = _work_dtype(dtype)
+        if np.dtype(host.dtype) != want:
+            raise TypeError(
+                f"state residual has dtype {host.dtype}; a {dtype} gradient's residual is {want}"
+            )
+        if self.nonfinite != "propagate" and not np.all(np.isfinite(host)):
+            raise ValueError(
+                "state residual holds NaN or Inf, which only nonfinite='propagate' can produce"
+            )
 
     def __repr__(self) -> str:
         return (

@@ -18,6 +18,7 @@ __all__ = [
     "DENSITY",
     "POSITIVE_INT",
     "NONNEGATIVE_INT",
+    "SEED",
     "POSITIVE_FLOAT",
     "MOMENTUM",
     "launcher_rank",
@@ -56,6 +57,8 @@ def option_type(kind, ok, what):
 DENSITY = option_type(float, lambda v: 0 < v <= 1, "a density in (0, 1]")
 POSITIVE_INT = option_type(int, lambda v: v >= 1, "an integer >= 1")
 NONNEGATIVE_INT = option_type(int, lambda v: v >= 0, "an integer >= 0")
+# Random seeds: NumPy and scikit-learn take 32-bit unsigned ones.
+SEED = option_type(int, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
 POSITIVE_FLOAT = option_type(float, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
 MOMENTUM = option_type(float, lambda v: 0 <= v < 1, "a momentum in [0, 1)")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..mpiexec import mpiexec_path
 from .cluster import rate_type
-from .common import DENSITY, POSITIVE_FLOAT, POSITIVE_INT, run_collective
+from .common import DENSITY, POSITIVE_FLOAT, POSITIVE_INT, SEED, run_collective
 
 __all__ = ["add_train", "add_demo", "launch_train"]
 
@@ -103,7 +103,7 @@ def add_demo(sub) -> None:
     )
     p.add_argument("--density", type=DENSITY, default=0.01, help="default: %(default)s")
     p.add_argument("--epochs", type=POSITIVE_INT, default=None, help="default: the train default")
-    p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    p.add_argument("--seed", type=SEED, default=0, help="default: %(default)s")
     p.add_argument("--out", type=Path, default=Path("runs"), help="default: %(default)s")
     p.add_argument("--timeout", type=POSITIVE_FLOAT, default=900, help="per run, seconds")
     p.add_argument(

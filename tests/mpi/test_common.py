@@ -5,6 +5,8 @@ Runs on every rank under `mpiexec -n P` (see tests/test_mpi.py) for P in {1, 2, 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from mpiutil import assert_identical_everywhere, conservation_error, grads_for
@@ -181,15 +183,21 @@ def test_c8_nan_raises_everywhere_and_applies_nothing(comm, algorithm):
 
 @pytest.mark.parametrize("algorithm", ALGS)
 def test_nonfinite_skip_drops_the_step_everywhere(comm, algorithm):
+    """An Inf on the last rank: the step is skipped on every rank, with no NumPy warning on
+    any (a warning turned into an error on one rank would split the ranks)."""
     n = 64
     ar = spardl.make(algorithm, comm, n, density=0.1, nonfinite="skip")
+    ar(np.ones(n, np.float32))  # a step first: residuals that inf - inf can meet
     g = grads_for(comm, n, np.float32, seed=10)[comm.rank]
     if comm.rank == comm.size - 1:
         g[3] = np.inf
-    out = ar(g)
+    before = np.array(ar.residual, copy=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = ar(g)
     assert out.nnz == 0
     assert ar.stats["skipped_steps"] == 1
-    assert np.all(ar.residual == 0)
+    np.testing.assert_array_equal(ar.residual, before)
 
 
 @pytest.mark.parametrize("algorithm", ALGS)
@@ -202,6 +210,8 @@ def test_nonfinite_skip_drops_the_step_everywhere(comm, algorithm):
         ({"op": "max"}, "op"),
         ({"residual": "sometimes"}, "residual"),
         ({"nonfinite": "ignore"}, "nonfinite"),
+        ({"nonfinite": "skip"}, "nonfinite"),  # valid, but not what the other ranks said
+        ({"check": False}, "check"),
         ({"no_such_option": 1}, "no_such_option"),
     ],
 )
@@ -259,6 +269,42 @@ def test_state_from_another_configuration_is_rejected(comm, algorithm):
         c = spardl.make(other, comm, 300, density=0.05)
         with pytest.raises(ValueError, match="algorithm"):
             c.load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("algorithm", ALGS)
+@pytest.mark.parametrize(
+    ("change", "exc", "match"),
+    [
+        ({"residual": np.zeros(300, np.float64)}, TypeError, "residual has dtype"),
+        ({"residual": np.zeros(300, np.int64)}, TypeError, "residual has dtype"),
+        ({"residual": np.full(300, np.nan, np.float32)}, ValueError, "NaN or Inf"),
+        ({"step": 1.5}, TypeError, "step"),
+        ({"step": True}, TypeError, "step"),
+        ({"step": -1}, ValueError, "step"),
+        ({"calls": -7}, ValueError, "calls"),
+        ({"dtype": "int32"}, TypeError, "dtype"),
+    ],
+)
+def test_malformed_state_is_rejected_at_load(comm, algorithm, change, exc, match):
+    """A state with a residual of the wrong dtype or non-finite values, or counters that are not
+    counts: refused at load, naming what is wrong, with the state unchanged (the last rank's
+    state only is bad: every rank raises)."""
+    a = spardl.make(algorithm, comm, 300, density=0.05)
+    a(np.ones(300, np.float32))
+    a(np.ones(300, np.float32))
+    state = a.state_dict()
+    if comm.rank == comm.size - 1:
+        if "residual" in change and state["residual"] is None:
+            change = {"step": -1}  # dense keeps no residual
+            exc, match = ValueError, "step"
+        state = {**state, **change}
+    b = spardl.make(algorithm, comm, 300, density=0.05)
+    fresh = b.state_dict()
+    with pytest.raises((TypeError, ValueError)) as info:
+        b.load_state_dict(state)
+    if comm.rank == comm.size - 1:
+        assert isinstance(info.value, exc) and match in str(info.value)
+    assert b.state_dict()["step"] == fresh["step"] and b.state_dict()["calls"] == 0
 
 
 @pytest.mark.every_comm
