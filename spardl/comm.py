@@ -394,7 +394,7 @@ def _unpack_device(buf, nblocks, starts, index_dtype, value_dtype):
 WIRES = ("coo", "compact")
 
 
-def pack_wire(blocks, starts, index_dtype, value_dtype, wire="coo"):
+def pack_wire(blocks, starts, index_dtype, value_dtype, wire="coo", quantise=True):
     """Pack sparse blocks in the wire format ``wire``; also return what the receiver will read.
 
     Parameters
@@ -410,6 +410,9 @@ def pack_wire(blocks, starts, index_dtype, value_dtype, wire="coo"):
         The values' dtype (the work dtype: float32 or float64 for "compact").
     wire : {"coo", "compact"}, default "coo"
         The format.
+    quantise : bool, default True
+        "compact" only: values in 16 bits where they fit (else raw); False sends them raw,
+        unrounded (an allreducer at density 1, whose output must be the exact mean).
 
     Returns
     -------
@@ -438,7 +441,7 @@ def pack_wire(blocks, starts, index_dtype, value_dtype, wire="coo"):
             vals[pos : pos + c] = A.to_host(v)
             pos += c
     st = np.array([int(x) for x in starts], dtype=np.int64)
-    buf, dec = wire_codec.encode_blocks(idx, vals, counts, starts=st)
+    buf, dec = wire_codec.encode_blocks(idx, vals, counts, starts=st, quantise=quantise)
     ends = np.cumsum(counts).tolist()
     delivered = [dec[e - c : e] for e, c in zip(ends, counts.tolist(), strict=True)]
     if dev:
@@ -516,6 +519,10 @@ class Comm:
         self.size = self._mpi.Get_size()
         self._acct = _acct if _acct is not None else _Accounting()
         self._pinned: dict = {}  # slot -> pinned host staging buffer (uint8), grown as needed
+        #: Whether ``wire="compact"`` messages round values to 16 bits (:func:`pack_wire`). An
+        #: allreducer sets it for each step: off at density 1, where nothing is dropped and the
+        #: output must be the exact mean.
+        self.quantise = True
 
     @property
     def _clocked(self):
@@ -768,7 +775,9 @@ class Comm:
             got = self.sendrecv_bytes(buf, dest, source, cap, tag)
             return unpack_blocks(got, len(recv_starts), recv_starts, index_dtype, value_dtype)
         device = any(A.is_device(a) for b in send_blocks for a in b)
-        buf, delivered = pack_wire(send_blocks, send_starts, index_dtype, value_dtype, wire)
+        buf, delivered = pack_wire(
+            send_blocks, send_starts, index_dtype, value_dtype, wire, quantise=self.quantise
+        )
         if sent is not None:
             sent.extend(delivered)
         cap = wire_capacity(len(recv_starts), max_pairs, index_dtype, value_dtype, wire)

@@ -198,7 +198,7 @@ def allgather_sum(
     idt = wire_index_dtype(n)
     vdt = np.dtype(values.dtype)
     dev = A.is_device(values)
-    buf, delivered = pack_wire([(indices, values)], [0], idt, vdt, wire)
+    buf, delivered = pack_wire([(indices, values)], [0], idt, vdt, wire, quantise=comm.quantise)
     if sent is not None:
         sent.extend(delivered)
     if equal_counts and wire == "coo":

@@ -87,7 +87,14 @@ class GTopk(Allreducer):
             body = pack_blocks([(idx, val)], [0], self.wire_index, val.dtype)
             delivered = [val]
         else:
-            body, delivered = pack_wire([(idx, val)], [0], self.wire_index, val.dtype, self.wire)
+            body, delivered = pack_wire(
+                [(idx, val)],
+                [0],
+                self.wire_index,
+                val.dtype,
+                self.wire,
+                quantise=self.comm.quantise,
+            )
         if sent is not None:
             sent.append((idx, val, delivered[0]))
         return A.concat([head, body], np.uint8, A.is_device(body))

@@ -330,7 +330,9 @@ class OkTopk(Allreducer):
             dev = A.is_device(bal_val)
             vdt = np.dtype(bal_val.dtype)
             idt = wire_index_dtype(self.n)
-            buf, delivered = pack_wire([(bal_idx, bal_val)], [0], idt, vdt, self.wire)
+            buf, delivered = pack_wire(
+                [(bal_idx, bal_val)], [0], idt, vdt, self.wire, quantise=self.comm.quantise
+            )
             if sent is not None:
                 sent.append((bal_idx, bal_val, delivered[0]))
             rows = self.comm.allgatherv_bytes(buf, pad=True)

@@ -157,7 +157,9 @@ class TopkDSA(Allreducer):
                 pair = (A.shift(A.arange(stop - start, dev), start), region[1])
             else:
                 pair = (region[1], region[2])
-            payload, delivered = pack_wire([pair], [start], idt, vdt, wire)
+            payload, delivered = pack_wire(
+                [pair], [start], idt, vdt, wire, quantise=self.comm.quantise
+            )
             if kept is not None:
                 kept.append((*pair, delivered[0]))
             dev_payload = False

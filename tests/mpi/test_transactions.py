@@ -160,6 +160,24 @@ def test_density_one_is_the_exact_mean_on_every_call(comm, algorithm, opts, dtyp
             assert np.max(np.abs(ar.residual), initial=0.0) <= tol * scale, f"step {step}"
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("algorithm", sorted({a for a, _ in CONFIGS} - {"dense"}))
+def test_density_one_is_the_exact_mean_with_compact_messages(comm, algorithm, dtype):
+    """wire="compact" rounds values to 16 bits below density 1; at density 1 it sends them
+    unrounded, so the output is still the exact mean and the residuals stay zero."""
+    n = 37
+    ar = spardl.make(algorithm, comm, n, density=1.0, wire="compact")
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for step in range(3):
+        grads = grads_for(comm, n, dtype, seed=400 + step)
+        out = ar(grads[comm.rank])
+        assert_identical_everywhere(comm, out)
+        want = np.sum(np.stack(grads).astype(np.float64), axis=0) / comm.size
+        scale = max(1.0, float(np.max(np.abs(want))))
+        np.testing.assert_allclose(out.to_dense(), want, rtol=tol, atol=tol * scale)
+        assert np.max(np.abs(ar.residual), initial=0.0) <= tol * scale
+
+
 STATEFUL = [(a, o) for a, o in CONFIGS if a in ("spardl", "oktopk") and o["residual"] == "global"]
 STATEFUL_IDS = [f"{a}-" + "-".join(f"{k}={v}" for k, v in o.items()) for a, o in STATEFUL]
 

@@ -71,8 +71,8 @@ def _count_packed(monkeypatch, log):
         log.append((buf.nbytes, sum(int(b[0].shape[0]) for b in blocks)))
         return buf
 
-    def counted_wire(blocks, starts, index_dtype, value_dtype, wire="coo"):
-        buf, delivered = pack_wire(blocks, starts, index_dtype, value_dtype, wire)
+    def counted_wire(blocks, starts, index_dtype, value_dtype, wire="coo", quantise=True):
+        buf, delivered = pack_wire(blocks, starts, index_dtype, value_dtype, wire, quantise)
         if wire != "coo":
             log.append((buf.nbytes, sum(int(b[0].shape[0]) for b in blocks)))
         return buf, delivered
