@@ -611,10 +611,14 @@ class Allreducer:
         Raises
         ------
         TypeError
-            On every rank, if some rank's ``state`` is not a dict.
+            On every rank, if some rank's ``state`` is not a dict, its ``step`` or ``calls`` is
+            not an integer (a bool included), its ``dtype`` is not float16/32/64, or its
+            residual is not of that dtype's work dtype.
         ValueError
             On every rank, if some rank's state misses a key, comes from another algorithm, n,
-            world size or rank, or the ranks' states disagree on the step or call count.
+            world size or rank, has a negative ``step`` or ``calls``, holds a NaN or Inf in its
+            residual (unless ``nonfinite="propagate"``), or the ranks' states disagree on the
+            step or call count.
         """
         saved = self._snapshot()
         err = None
