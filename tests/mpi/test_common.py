@@ -211,12 +211,13 @@ def test_nonfinite_skip_drops_the_step_everywhere(comm, algorithm):
         ({"residual": "sometimes"}, "residual"),
         ({"nonfinite": "ignore"}, "nonfinite"),
         ({"nonfinite": "skip"}, "nonfinite"),  # valid, but not what the other ranks said
-        ({"check": False}, "check"),
         ({"no_such_option": 1}, "no_such_option"),
     ],
 )
 def test_bad_arguments_raise_everywhere(comm, algorithm, kwargs, match):
     """Bad arguments on the LAST rank only: every rank raises, naming the argument."""
+    if comm.size == 1 and kwargs == {"nonfinite": "skip"}:
+        pytest.skip("a valid value; the disagreement needs two ranks")
     good = {"density": 0.1}
     mine = {**good, **kwargs} if comm.rank == comm.size - 1 else good
     _expect_error_everywhere(comm, lambda: spardl.make(algorithm, comm, 50, **mine), match=match)
@@ -271,40 +272,42 @@ def test_state_from_another_configuration_is_rejected(comm, algorithm):
             c.load_state_dict(a.state_dict())
 
 
+MALFORMED = [
+    ({"residual": np.zeros(300, np.float64)}, TypeError, "residual has dtype"),
+    ({"residual": np.zeros(300, np.int64)}, TypeError, "residual has dtype"),
+    ({"residual": np.full(300, np.nan, np.float32)}, ValueError, "NaN or Inf"),
+    ({"step": 1.5}, TypeError, "step"),
+    ({"step": True}, TypeError, "step"),
+    ({"step": -1}, ValueError, "step"),
+    ({"calls": -7}, ValueError, "calls"),
+    ({"dtype": "int32"}, TypeError, "dtype"),
+]
+
+
 @pytest.mark.parametrize("algorithm", ALGS)
-@pytest.mark.parametrize(
-    ("change", "exc", "match"),
-    [
-        ({"residual": np.zeros(300, np.float64)}, TypeError, "residual has dtype"),
-        ({"residual": np.zeros(300, np.int64)}, TypeError, "residual has dtype"),
-        ({"residual": np.full(300, np.nan, np.float32)}, ValueError, "NaN or Inf"),
-        ({"step": 1.5}, TypeError, "step"),
-        ({"step": True}, TypeError, "step"),
-        ({"step": -1}, ValueError, "step"),
-        ({"calls": -7}, ValueError, "calls"),
-        ({"dtype": "int32"}, TypeError, "dtype"),
-    ],
-)
-def test_malformed_state_is_rejected_at_load(comm, algorithm, change, exc, match):
+def test_malformed_state_is_rejected_at_load(comm, algorithm):
     """A state with a residual of the wrong dtype or non-finite values, or counters that are not
     counts: refused at load, naming what is wrong, with the state unchanged (the last rank's
-    state only is bad: every rank raises)."""
+    state only is bad: every rank raises). Two allreducers for all cases: each holds MPI
+    communicators, of which a process has a bounded number."""
     a = spardl.make(algorithm, comm, 300, density=0.05)
     a(np.ones(300, np.float32))
     a(np.ones(300, np.float32))
-    state = a.state_dict()
-    if comm.rank == comm.size - 1:
-        if "residual" in change and state["residual"] is None:
-            change = {"step": -1}  # dense keeps no residual
-            exc, match = ValueError, "step"
-        state = {**state, **change}
+    good = a.state_dict()
     b = spardl.make(algorithm, comm, 300, density=0.05)
-    fresh = b.state_dict()
-    with pytest.raises((TypeError, ValueError)) as info:
-        b.load_state_dict(state)
-    if comm.rank == comm.size - 1:
-        assert isinstance(info.value, exc) and match in str(info.value)
-    assert b.state_dict()["step"] == fresh["step"] and b.state_dict()["calls"] == 0
+    for change, exc, match in MALFORMED:
+        if "residual" in change and good["residual"] is None:
+            continue  # dense keeps no residual
+        state = {**good, **change} if comm.rank == comm.size - 1 else good
+        with pytest.raises((TypeError, ValueError)) as info:
+            b.load_state_dict(state)
+        if comm.rank == comm.size - 1:
+            assert isinstance(info.value, exc) and match in str(info.value), change
+        assert b.state_dict()["step"] == 0 and b.state_dict()["calls"] == 0, change
+    b.load_state_dict(good)  # and the good state still loads
+    assert b.state_dict()["step"] == good["step"]
+    a.comm.free()
+    b.comm.free()
 
 
 @pytest.mark.every_comm

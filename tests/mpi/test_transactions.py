@@ -176,6 +176,7 @@ def test_density_one_is_the_exact_mean_with_compact_messages(comm, algorithm, dt
         scale = max(1.0, float(np.max(np.abs(want))))
         np.testing.assert_allclose(out.to_dense(), want, rtol=tol, atol=tol * scale)
         assert np.max(np.abs(ar.residual), initial=0.0) <= tol * scale
+    ar.comm.free()  # a process has a bounded number of MPI communicators
 
 
 STATEFUL = [(a, o) for a, o in CONFIGS if a in ("spardl", "oktopk") and o["residual"] == "global"]
