@@ -55,7 +55,9 @@ def make(algorithm: str, comm, n: int, **options) -> Allreducer:
     Returns
     -------
     Allreducer
-        Call it on this rank's gradient to get a :class:`SparseResult`.
+        Call it on this rank's gradient to get a :class:`SparseResult`. It holds MPI
+        communicators until :meth:`~spardl.algorithms.base.Allreducer.close` (or the end of a
+        ``with`` block): close allreducers that a program builds repeatedly.
 
     Raises
     ------
@@ -72,7 +74,11 @@ def make(algorithm: str, comm, n: int, **options) -> Allreducer:
     err = ValueError(f"algorithm must be one of {sorted(ALGORITHMS)} or 'auto', got {algorithm!r}")
     # Same collective sequence as a constructor, so ranks that did name a known algorithm
     # fail with this rank instead of waiting for it.
-    collective_check(c, err, [name_hash(repr(algorithm))], {"algorithm": repr(algorithm)})
+    try:
+        collective_check(c, err, [name_hash(repr(algorithm))], {"algorithm": repr(algorithm)})
+    finally:
+        if c is not comm:
+            c.free()
     raise err  # pragma: no cover - collective_check raised
 
 

@@ -324,15 +324,7 @@ def _validate_options(
     if not hook:
         return
     # The values: make's own checks and messages (unknown algorithm included), on every rank.
-    _free_subcomms(make(algorithm, ctl, max(1, ctl.size), op="mean", **options), ctl)
-
-
-def _free_subcomms(allreducer, comm: Comm) -> None:
-    """Free the communicators an allreducer split off ``comm`` (SparDL's teams, teams > 1)."""
-    for ar in (allreducer, *getattr(allreducer, "_inners", {}).values()):  # auto's candidates
-        for sub in (getattr(ar, "_team", None), getattr(ar, "_cross", None)):
-            if sub is not None and sub is not comm:
-                sub.free()
+    make(algorithm, ctl, max(1, ctl.size), op="mean", **options).close()
 
 
 def _plain(v):
@@ -485,6 +477,7 @@ class _Core:
     def __init__(self, comm, algorithm, warmup_steps: int, options: dict, tech=None, comms=None):
         # ``comms``: (comm, ctl) Comm objects shared with other cores (overlap mode's buckets).
         self.comm, self.ctl = comms if comms is not None else (Comm(comm), Comm(comm))
+        self.owns_comms = comms is None
         self.tech = tech if tech is not None else _Techniques()
         self.velocity = None  # momentum correction: this rank's u, laid out like flat
         self.pending_velocity = None  # loaded velocities by key, used at the next step
@@ -506,6 +499,15 @@ class _Core:
     @property
     def stats(self) -> dict:
         return self.comm.stats
+
+    def close(self) -> None:
+        """Free the allreducers' communicators, and this core's own (collective)."""
+        for ar in (self.sparse, self.dense):
+            if ar is not None:
+                ar.close()
+        if self.owns_comms:
+            self.comm.free()
+            self.ctl.free()
 
     def set_layout(self, keys, numels, dtype: torch.dtype, device=None) -> None:
         """The flat buffer, on ``device`` (the parameters' or the bucket's; default CPU)."""
@@ -898,6 +900,14 @@ class _Buckets:
         """Wait until the communication thread has finished every submitted bucket."""
         self.jobs.join()
 
+    def close(self) -> None:
+        """Finish the submitted buckets, then free every bucket's communicators (collective)."""
+        self.drain()
+        for core in self.cores.values():
+            core.close()
+        self.comm.free()
+        self.ctl.free()
+
     # -- one bucket (on the communication thread) -------------------------------------------
     def reduce_bucket(self, index, buf, keys, numels, used, err, last, check_group):
         """Collective, in DDP's bucket order on every rank: the control allreduce (any rank's
@@ -951,7 +961,7 @@ class _Buckets:
             self.carry_full[(tuple(core.keys), tuple(core.numels))] = saved
             self.carry.update(_by_key(core.keys, core.numels, saved.get("residual")))
             self.carry_step = int(saved["step"])
-            _free_subcomms(core.sparse, self.comm)
+            core.close()
         self.cores = {}
 
     def _claim(self, keys, numels):
@@ -1041,7 +1051,7 @@ class _Buckets:
             {"load_state_dict": self.algorithm, "step before": self.step, "state's step": step},
         )
         for core in self.cores.values():
-            _free_subcomms(core.sparse, self.comm)
+            core.close()
         self.step, stats, self.carry_full, self.carry, self.carry_step = new
         self.cores = {}
         self.stats.clear()
@@ -1093,6 +1103,26 @@ class _Front:
     (``self._core``): step, counters, residuals and velocities by parameter, checkpoints."""
 
     _core: _Core
+
+    def close(self) -> None:
+        """Free the MPI communicators this object and its allreducers created (collective:
+        every rank closes at the same point; idempotent). Use it, or a ``with`` block, where a
+        program builds reducers or hook states repeatedly: MPI libraries allow a bounded
+        number of communicators per process (MPICH: about 2,000). Checkpoints
+        (:meth:`state_dict`) stay readable; reducing after it raises ``ValueError``."""
+        if not getattr(self, "_closed", False):
+            self._closed = True
+            self._core.close()
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise ValueError(f"{type(self).__name__} is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def step(self) -> int:
@@ -1363,6 +1393,7 @@ class SparseHookState(_Front):
         self._checked = True
 
     def _bucket(self, bucket):
+        self._check_open()
         if self.overlap:
             return self._bucket_overlap(bucket)
         if not self._checked:
@@ -1703,6 +1734,7 @@ class SparseGradientReducer(_Front):
         ValueError
             On every rank, if a rank's gradient does not have its parameter's shape.
         """
+        self._check_open()
         core, flat, o = self._core, self._flat, self._offsets
         m = len(self.params)
         local = np.zeros(1 + m, dtype=np.int64)

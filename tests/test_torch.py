@@ -155,6 +155,30 @@ def test_reducer_state_round_trips_through_torch_load_weights_only():
         assert again.step == red.step
 
 
+def test_close_frees_the_reducers_and_hook_states_communicators():
+    """close() (or a with block) frees what a reducer or hook state created (its two
+    communicators; its allreducers share them) and a closed one refuses to reduce."""
+    import torch
+    from mpi4py import MPI
+
+    import spardl.torch as st
+
+    model = torch.nn.Linear(6, 3)
+    for _ in range(3):
+        with st.SparseGradientReducer(model.parameters(), MPI.COMM_SELF, "topka") as red:
+            model.zero_grad()
+            model(torch.ones(2, 6)).sum().backward()
+            red.reduce()
+    comms = [red._core.comm, red._core.ctl, red._core.sparse.comm]
+    assert all(c._mpi == MPI.COMM_NULL for c in comms)
+    with pytest.raises(ValueError, match="closed"):
+        red.reduce()
+    state = st.SparseHookState(MPI.COMM_SELF, algorithm="spardl", density=0.5)
+    state.close()
+    state.close()  # idempotent
+    assert state._core.comm._mpi == MPI.COMM_NULL
+
+
 def test_auto_through_the_reducer_and_the_hook_state():
     """algorithm="auto" passes through: the reducer steps through its trials to a choice, its
     checkpoint round-trips through torch.load (weights_only), and bad auto options are named at

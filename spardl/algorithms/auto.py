@@ -201,10 +201,17 @@ class Auto(Allreducer):
     }
 
     def __init__(self, comm, n, **kwargs):
+        self._inners: dict[int, Allreducer] = {}
         super().__init__(comm, n, **kwargs)
         # Collective from here on: every rank passed the base class's cross-rank check.
+        try:
+            self._start()
+        except BaseException:
+            self.close()  # a fit that cannot be read raises on every rank alike
+            raise
+
+    def _start(self) -> None:
         self.alpha, self.beta, self.rates = self._rates()
-        self._inners: dict[int, Allreducer] = {}
         self._pending: dict[int, tuple] = {}  # loaded states of candidates not built yet
         self._choice = 0
         self._flush = False
@@ -291,6 +298,13 @@ class Auto(Allreducer):
                 f"fit: cannot read alpha and beta from {os.fspath(path)!r} on rank 0 ({err})"
             )
         return alpha, beta, f"fit {os.fspath(path)}"
+
+    def close(self) -> None:
+        """As :meth:`Allreducer.close`, for every candidate built so far as well."""
+        if not getattr(self, "_closed", True):
+            for ar in self._inners.values():
+                ar.close()
+        super().close()
 
     # -- the candidates -------------------------------------------------------------------------
     def _inner(self, i: int) -> Allreducer:

@@ -152,7 +152,15 @@ class Allreducer:
         wire="coo",
         **options,
     ):
-        self.comm = comm if isinstance(comm, Comm) else Comm(comm)
+        #: The communicators this allreducer made and frees on :meth:`close`: its duplicate of
+        #: ``comm`` (none when ``comm`` is a spardl Comm, which it shares) and any split off it.
+        self._own_comms: list[Comm] = []
+        self._closed = False
+        if isinstance(comm, Comm):
+            self.comm = comm
+        else:
+            self.comm = Comm(comm)
+            self._own_comms.append(self.comm)
         self.P = self.comm.size
         self.rank = self.comm.rank
         err = None
@@ -194,7 +202,11 @@ class Allreducer:
             name_hash(f"{op}|{residual}|{nonfinite}|{check}|{wire!r}"),
             name_hash(described["options"]),
         ]
-        self.collective_check(err, sig, described)
+        try:
+            self.collective_check(err, sig, described)
+        except BaseException:
+            self.close()  # every rank raises here together: nothing is left to leak
+            raise
         self.step = 0
         self._calls = 0
         self._dtype = None
@@ -232,6 +244,46 @@ class Allreducer:
     def _load_extra_state(self, state: dict) -> None:
         pass
 
+    # -- lifetime ---------------------------------------------------------------------------
+    def _split(self, color: int, key: int) -> Comm:
+        """``self.comm.split(color, key)`` (collective), freed by :meth:`close`."""
+        sub = self.comm.split(color, key)
+        self._own_comms.append(sub)
+        return sub
+
+    def close(self) -> None:
+        """Free the MPI communicators this allreducer created; it cannot be called after.
+
+        Each allreducer duplicates its communicator (unless given a :class:`spardl.comm.Comm`,
+        which it shares), and some split more (SparDL's teams, the candidates of ``auto``).
+        MPI libraries allow a bounded number per process (MPICH: about 2,000), so a program
+        that builds allreducers repeatedly closes them, or uses them as context managers
+        (``with spardl.make(...) as ar:``). Collective: every rank closes its allreducer at
+        the same point. Idempotent; the state (:meth:`state_dict`, :meth:`residual`,
+        ``stats``) stays readable.
+        """
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        for c in reversed(self._own_comms):
+            c.free()
+        self._own_comms.clear()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.name}: the allreducer is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- density changes --------------------------------------------------------------------
     def set_density(self, density) -> None:
         """Change ρ (and so k) from the next call on, without rebuilding the allreducer.
@@ -257,6 +309,7 @@ class Allreducer:
             this one), unless the allreducer was built with ``check=False``: then, as for any
             mismatched call, the job may hang.
         """
+        self._check_open()
         err = None
         try:
             check_float("density", density)
@@ -376,6 +429,7 @@ class Allreducer:
         # fault) or is skipped leaves the whole state (what state_dict holds) as it was, on
         # every rank alike, since every rank raises or skips together. The residual is only
         # replaced on success, so the snapshot keeps a reference to it, not a copy.
+        self._check_open()
         saved = (self.step, self._calls, self._dtype, self._residual, self._extra_state())
         try:
             out, applied = self._step(grad)

@@ -118,13 +118,13 @@ class SparDL(Allreducer):
         super().__init__(comm, n, **kwargs)
         # Splitting is collective: only after the base's cross-rank check passed on every rank.
         d, m = self.d, self.m
-        self._team = self.comm if d == 1 else self.comm.split(self.rank // m, self.rank % m)
+        self._team = self.comm if d == 1 else self._split(self.rank // m, self.rank % m)
         if d == 1:
             self._cross = None
         elif m == 1:
             self._cross = self.comm
         else:
-            self._cross = self.comm.split(self.rank % m, self.rank // m)
+            self._cross = self._split(self.rank % m, self.rank // m)
 
     # -- setup ------------------------------------------------------------------------------
     def _setup(self) -> None:

@@ -24,9 +24,11 @@ def pytest_configure(config):
 
 
 # The abort-on-failure hook, the outcome report (for tests/mpirun.py) and the `comm` fixture,
-# shared by every folder run on every rank; here also the `every_comm` mark's parametrisation.
+# shared by every folder run on every rank; here also the `every_comm` mark's parametrisation
+# and the freeing of what each test's allreducers and Comms hold.
 from mpiutil import (  # noqa: E402, F401
     comm,
+    free_communicators,
     pytest_collectreport,
     pytest_generate_tests,
     pytest_runtest_logreport,

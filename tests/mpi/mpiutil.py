@@ -123,6 +123,37 @@ def comm(request):
         c.Free()
 
 
+@pytest.fixture(autouse=True)
+def free_communicators(monkeypatch):
+    """Close every allreducer and free every :class:`spardl.comm.Comm` a test made, when it
+    ends (collective: every rank runs the same tests in the same order). A test session under
+    mpiexec builds thousands of them, and MPICH allows about 2,000 communicators per process.
+
+    Re-exported by the conftest.py of the folders whose tests are independent of each other."""
+    from spardl.algorithms.base import Allreducer
+    from spardl.comm import Comm
+
+    made: list = []
+
+    def track(cls):
+        init = cls.__init__
+
+        def tracked(self, *args, **kwargs):
+            made.append(self)
+            init(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__init__", tracked)
+
+    track(Allreducer)
+    track(Comm)
+    yield
+    for obj in reversed(made):  # allreducers before the Comms they were given
+        if isinstance(obj, Allreducer):
+            obj.close()
+        elif hasattr(obj, "_mpi"):
+            obj.free()
+
+
 def gather_all(comm, obj):
     """Every rank's object, on every rank."""
     return comm.allgather(obj)

@@ -1,0 +1,89 @@
+"""``close()``: an allreducer frees the communicators it made (its duplicate, SparDL's teams,
+``auto``'s candidates) and nothing it was given; a closed one refuses to run.
+
+Runs on every rank under `mpiexec -n P` (tests/test_mpi.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import spardl
+from spardl.comm import Comm
+
+#: More allreducers than MPICH has communicators for one process (2,048 context ids); the
+#: loops that build that many run at world sizes 1 and 2 (what they test does not depend on P;
+#: at P = 8 on two cores they would cost a minute), a few rounds elsewhere.
+MANY = 2200 if MPI.COMM_WORLD.Get_size() <= 2 else 16
+
+
+def _freed(c: Comm) -> bool:
+    return c._mpi == MPI.COMM_NULL
+
+
+def test_closed_allreducers_do_not_exhaust_the_communicators():
+    # On COMM_SELF: the same Dup and Free as on a larger communicator, without P-rank
+    # collectives.
+    for _ in range(MANY):
+        with spardl.make("topka", MPI.COMM_SELF, 8, density=1.0) as ar:
+            out = ar(np.ones(8, dtype=np.float32))
+        assert ar.closed
+    assert np.array_equal(out.to_dense(), np.ones(8, dtype=np.float32))
+
+
+def test_close_frees_teams_and_duplicate_but_not_a_given_comm(comm):
+    P = comm.Get_size()
+    d = 2 if P % 2 == 0 else 1
+    ar = spardl.make("spardl", comm, 64, density=0.25, teams=d)
+    owned = [ar.comm, ar._team, ar._cross]
+    ar.close()
+    assert all(_freed(c) for c in owned if c is not None)
+    ar.close()  # idempotent
+
+    given = Comm(comm)
+    ar = spardl.make("spardl", given, 64, density=0.25, teams=d)
+    made = [c for c in (ar._team, ar._cross) if c is not None and c is not given]
+    ar.close()
+    assert all(_freed(c) for c in made)
+    assert not _freed(given)
+    assert given.allgather_object(given.rank, control=True) == list(range(P))
+
+
+def test_closed_allreducer_raises_and_keeps_its_state(comm):
+    ar = spardl.make("oktopk", comm, 32, density=0.125)
+    ar(np.arange(32, dtype=np.float32))
+    ar.close()
+    with pytest.raises(ValueError, match="closed"):
+        ar(np.arange(32, dtype=np.float32))
+    with pytest.raises(ValueError, match="closed"):
+        ar.set_density(0.5)
+    state = ar.state_dict()
+    assert state["step"] == 1 and state["residual"].shape == (32,)
+
+
+def test_auto_closes_every_candidate_it_built(comm):
+    P = comm.Get_size()
+    ar = spardl.make("auto", comm, 256, density=0.05, alpha=1e-5, beta=1e-9, trials=1, interval=2)
+    g = np.random.default_rng(comm.Get_rank()).standard_normal(256).astype(np.float32)
+    for _ in range(2 * len(ar.cands)):
+        ar(g)
+    inners = list(ar._inners.values())
+    assert len(inners) == len(ar.cands)  # every candidate was tried once
+    owned = [c for a in inners for c in a._own_comms] + [ar.comm]
+    assert all(not _freed(c) for c in owned)
+    ar.close()
+    assert all(a.closed for a in inners)
+    assert all(_freed(c) for c in owned)
+    assert P == comm.Get_size()
+
+
+def test_failed_construction_frees_its_duplicate(comm):
+    # Every rank fails the cross-rank check together; what the constructor made is freed, so
+    # the loop would run out of communicators otherwise.
+    for _ in range(MANY if comm.Get_size() == 1 else 8):  # P-rank checks: a few at P > 1
+        with pytest.raises(ValueError, match="density"):
+            spardl.make("topka", comm, 16, density=2.0)
+        with pytest.raises(ValueError, match="algorithm must be one of"):
+            spardl.make("nope", comm, 16)
