@@ -22,7 +22,7 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(VENV)/numba-boundscheck $(PY) -m pytest -q tests/test_kernels.py tests/test_kernel_cases.py
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -m cudasim tests/test_cuda_kernels.py tests/test_gpu_pipeline.py
 

@@ -58,6 +58,7 @@ CONFIGS = [
     ("dense", {}),
     ("spardl", {"teams": 1}),
     ("spardl", {"teams": 2}),
+    ("spardl", {"teams": 4}),  # at P = 4: teams of one, the cross-team exchange is everything
     ("topka", {}),
     ("gaussiank", {}),
     ("topkdsa", {}),
