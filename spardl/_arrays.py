@@ -152,40 +152,21 @@ def zero_at(s, idx):
     return s
 
 
-def _member_mask(idx, members):
-    if len(members) == 0 or len(idx) == 0:
-        return np.zeros(len(idx), dtype=bool)
-    pos = np.minimum(np.searchsorted(members, idx), len(members) - 1)
-    return members[pos] == idx
-
-
 def zero_members(s, idx, members):
     """``s[i] = 0`` for every i in ``idx`` that is also in the ascending array ``members``."""
-    if is_device(s):
-        return device_ops().zero_members(s, idx, members)
-    s[idx[_member_mask(idx, members)]] = 0
-    return s
+    return (device_ops() if is_device(s) else host_ops).zero_members(s, idx, members)
 
 
 def set_outside(s, idx, vals, members):
     """``s[i] = v`` for (i, v) in (idx, vals) with i NOT in the ascending ``members`` (idx
     unique); returns s."""
-    if is_device(s):
-        return device_ops().set_outside(s, idx, vals, members)
-    out = ~_member_mask(idx, members)
-    s[idx[out]] = vals[out]
-    return s
+    return (device_ops() if is_device(s) else host_ops).set_outside(s, idx, vals, members)
 
 
 def sub_members(s, idx, vals, members):
     """``s[i] = s[i] + (−v)`` for (i, v) in (idx, vals) with i in the ascending ``members``
-    (idx unique); returns s."""
-    if is_device(s):
-        return device_ops().sub_members(s, idx, vals, members)
-    hit = _member_mask(idx, members)
-    with np.errstate(invalid="ignore", over="ignore"):
-        s[idx[hit]] = host_ops.canonicalize(s[idx[hit]] + (-vals[hit]))
-    return s
+    (idx unique), a NaN result written as the canonical NaN; returns s."""
+    return (device_ops() if is_device(s) else host_ops).sub_members(s, idx, vals, members)
 
 
 def shift(idx, c: int):

@@ -734,6 +734,71 @@ def test_layer_cast_and_canonicalize_nan_bits(data, dtype):
         np.testing.assert_array_equal(naive.bits(got[nan]).astype(np.uint64), want)
 
 
+@SETTINGS
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    n=st.integers(1, 300),
+    ascending=st.booleans(),
+)
+def test_member_passes_match_numpy(data, dtype, n, ascending):
+    """``zero_members``, ``set_outside`` and ``sub_members`` (the layer's undo-log passes)
+    against NumPy's set membership, for ascending and shuffled positions (the merge path and
+    the restarting one), with NaN payloads written as the canonical NaN."""
+    pick = st.lists(st.integers(0, n - 1), unique=True, max_size=n)
+    idx = np.array(sorted(data.draw(pick)), dtype=np.int64)
+    if not ascending:
+        idx = np.array(data.draw(st.permutations(idx.tolist())), dtype=np.int64)
+    members = np.array(sorted(data.draw(pick)), dtype=np.int64)
+    vals = nan_mix(data, dtype, len(idx))
+    s = nan_mix(data, dtype, n)
+    hit = np.isin(idx, members)
+
+    want = s.copy()
+    want[idx[hit]] = 0
+    assert_same_bits(host_arrays.zero_members(s.copy(), idx, members), want)
+
+    want = s.copy()
+    want[idx[~hit]] = vals[~hit]
+    assert_same_bits(host_arrays.set_outside(s.copy(), idx, vals, members), want)
+
+    want = s.copy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        want[idx[hit]] = naive.canonicalize(s[idx[hit]] + (-vals[hit]))
+    assert_same_bits(host_arrays.sub_members(s.copy(), idx, vals, members), want)
+
+
+def test_member_passes_restart_on_a_descent():
+    """A position below the previous one is searched for from the start of ``members``."""
+    members = np.array([2, 5, 7], np.int64)
+    got = host_arrays.zero_members(np.ones(9, np.float32), np.array([7, 5, 2, 8]), members)
+    np.testing.assert_array_equal(np.flatnonzero(got == 0), [2, 5, 7])
+
+
+def test_member_passes_reject_bad_arguments():
+    s = np.zeros(5, np.float32)
+    idx = np.array([0, 3], np.int64)
+    members = np.array([1, 3], np.int64)
+    vals = np.ones(2, np.float32)
+    for call, exc, match in (
+        (lambda: host_arrays.set_outside(s, [0, 5], vals, members), ValueError, "^idx: pos"),
+        (lambda: host_arrays.set_outside(s, [-1, 2], vals, members), ValueError, "^idx: pos"),
+        (lambda: host_arrays.zero_members(s, idx, [3, 1]), ValueError, "^members: must be asc"),
+        (lambda: host_arrays.zero_members(s, idx.astype(float), members), TypeError, "^idx: d"),
+        (lambda: host_arrays.sub_members(s, idx, vals[:1], members), ValueError, "^vals: exp"),
+        (
+            lambda: host_arrays.sub_members(s, idx, vals.astype(np.float64), members),
+            ValueError,
+            "^vals",
+        ),
+        (lambda: host_arrays.zero_members(s.astype(np.int32), idx, members), TypeError, "^s: d"),
+        (lambda: host_arrays.zero_members(s.reshape(1, 5), idx, members), ValueError, "^s: exp"),
+    ):
+        with pytest.raises(exc, match=match):
+            call()
+    assert not s.any()  # nothing was written
+
+
 def test_dense_passes_reject_bad_arguments():
     x = np.ones(3, np.float32)
     for bad, exc, match in (

@@ -14,7 +14,15 @@ from numba import njit
 from .. import _contract, _validate
 from ._common import JIT, as_array, canonical, narrow_half, widen_half
 
-__all__ = ["divide_count_nonfinite", "canonical_count_nonfinite", "cast", "canonicalize"]
+__all__ = [
+    "divide_count_nonfinite",
+    "canonical_count_nonfinite",
+    "cast",
+    "canonicalize",
+    "zero_members",
+    "set_outside",
+    "sub_members",
+]
 
 
 @njit(**JIT)
@@ -36,6 +44,185 @@ def _canonical_count_nonfinite(x):
         if v != v:  # rare: the pass stays read-only on finite data
             x[i] = canonical(v)
     return c
+
+
+@njit(**JIT)
+def _lower_bound(members, v, lo):
+    """The first position ≥ ``lo`` of the ascending ``members`` whose value is ≥ v, where every
+    value before ``lo`` is < v: a galloping search from ``lo`` (steps 1, 2, 4, ...), then a
+    binary search inside the last step. For ascending queries, each costs the log of the
+    distance to the previous answer: a merge of two sorted arrays in O(q + m) overall."""
+    m = members.shape[0]
+    step = 1
+    hi = lo
+    while hi < m and members[hi] < v:
+        lo = hi + 1
+        hi += step
+        step *= 2
+    hi = min(hi, m)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if members[mid] < v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(**JIT)
+def _member_scan(idx, members, want, s, vals, mode):
+    # For each j with (idx[j] in members) == want: mode 0 zeroes s[idx[j]], mode 1 writes
+    # vals[j], mode 2 adds -vals[j] (a NaN sum as the canonical NaN). Ascending runs of idx
+    # reuse the search position; a descent starts the search again from 0.
+    lo = 0
+    prev = idx[0] if idx.shape[0] else 0
+    for j in range(idx.shape[0]):
+        v = idx[j]
+        if v < prev:
+            lo = 0
+        prev = v
+        lo = _lower_bound(members, v, lo)
+        hit = lo < members.shape[0] and members[lo] == v
+        if hit != want:
+            continue
+        if mode == 0:
+            s[v] = 0
+        elif mode == 1:
+            s[v] = vals[j]
+        else:
+            s[v] = canonical(s[v] + (-vals[j]))
+
+
+@njit(**JIT)
+def _outside(a, n):
+    # the number of entries of a outside [0, n)
+    c = 0
+    for i in range(a.shape[0]):
+        c += a[i] < 0 or a[i] >= n
+    return c
+
+
+@njit(**JIT)
+def _descents(a):
+    # the number of i with a[i + 1] < a[i]
+    c = 0
+    for i in range(a.shape[0] - 1):
+        c += a[i + 1] < a[i]
+    return c
+
+
+def _positions(name, a):
+    a = as_array(a, name)
+    if a.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D array, got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: dtype must be an integer type, got {a.dtype}")
+    return a
+
+
+def _member_pass(s, idx, vals, members, want, mode):
+    s = as_array(s, "s")
+    _validate.check_work_array("s", s.ndim, s.dtype, s.flags.writeable)
+    idx = _positions("idx", idx)
+    members = _positions("members", members)
+    if _outside(idx, s.shape[0]):
+        raise ValueError(f"idx: positions must lie in [0, {s.shape[0]})")
+    if _descents(members):
+        raise ValueError("members: must be ascending")
+    if vals is None:
+        vals = np.zeros(0, s.dtype)
+    else:
+        vals = as_array(vals, "vals")
+        if vals.shape != idx.shape or vals.dtype != s.dtype:
+            raise ValueError(
+                f"vals: expected shape {idx.shape} and dtype {s.dtype}, "
+                f"got {vals.shape} {vals.dtype}"
+            )
+    if idx.shape[0]:
+        _member_scan(idx, members, want, s, vals, mode)
+    return s
+
+
+def zero_members(s, idx, members):
+    """``s[i] = 0`` for every i of ``idx`` that is in ``members``, in place.
+
+    Parameters
+    ----------
+    s : ndarray of shape (n,), float32 or float64
+        The dense work vector; modified in place.
+    idx : ndarray of shape (q,), int64
+        Positions of ``s``, unique; ascending is fastest (a merge), any order is correct.
+    members : ndarray of shape (m,), int64, ascending
+        The set tested against.
+
+    Returns
+    -------
+    ndarray
+        ``s``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument: ``s`` not a writeable 1-D float32/float64 array, positions not
+        integers or outside [0, n), ``members`` not ascending.
+    """
+    return _member_pass(s, idx, None, members, True, 0)
+
+
+def set_outside(s, idx, vals, members):
+    """``s[i] = v`` for every (i, v) of (``idx``, ``vals``) with i not in ``members``, in place.
+
+    Parameters
+    ----------
+    s : ndarray of shape (n,), float32 or float64
+        The dense work vector; modified in place.
+    idx : ndarray of shape (q,), int64
+        Positions of ``s``, unique; ascending is fastest (a merge), any order is correct.
+    vals : ndarray of shape (q,), ``s``'s dtype
+        The values written.
+    members : ndarray of shape (m,), int64, ascending
+        The positions left alone.
+
+    Returns
+    -------
+    ndarray
+        ``s``. SparDL's Global Residual Collection writes its undo log back this way
+        (docs/design.md §4.4).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`zero_members`; also ``vals`` not of ``idx``'s length and ``s``'s dtype.
+    """
+    return _member_pass(s, idx, vals, members, False, 1)
+
+
+def sub_members(s, idx, vals, members):
+    """``s[i] = s[i] + (−v)`` for every (i, v) of (``idx``, ``vals``) with i in ``members``, in
+    place; a NaN result is written as the canonical NaN (docs/design.md §3.4).
+
+    Parameters
+    ----------
+    s : ndarray of shape (n,), float32 or float64
+        The dense work vector; modified in place.
+    idx : ndarray of shape (q,), int64
+        Positions of ``s``, unique; ascending is fastest (a merge), any order is correct.
+    vals : ndarray of shape (q,), ``s``'s dtype
+        The values subtracted.
+    members : ndarray of shape (m,), int64, ascending
+        The positions changed.
+
+    Returns
+    -------
+    ndarray
+        ``s``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`set_outside`.
+    """
+    return _member_pass(s, idx, vals, members, True, 2)
 
 
 def _work_array(x):
