@@ -1109,7 +1109,13 @@ class _Front:
         every rank closes at the same point; idempotent). Use it, or a ``with`` block, where a
         program builds reducers or hook states repeatedly: MPI libraries allow a bounded
         number of communicators per process (MPICH: about 2,000). Checkpoints
-        (:meth:`state_dict`) stay readable; reducing after it raises ``ValueError``."""
+        (:meth:`state_dict`) stay readable.
+
+        Raises
+        ------
+        ValueError
+            From :meth:`SparseGradientReducer.reduce` or the hook, once closed.
+        """
         if not getattr(self, "_closed", False):
             self._closed = True
             self._core.close()
