@@ -196,13 +196,14 @@ def test_timeout_kills_the_job_and_cleans_up():
 @pytest.mark.cluster
 @needs_cluster
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_killed_launcher_leaves_nothing(sig):
+def test_killed_launcher_leaves_nothing(sig, tmp_path):
     """Ctrl-C, a TERM and even a KILL of the launcher: every namespace and process goes."""
+    err = tmp_path / "launcher.err"
     launcher = subprocess.Popen(
         [*SPARDL, "cluster", "run", "-q", "--nodes", "2", "--", "sleep", "120"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=err.open("w"),
     )
     try:
         deadline = time.monotonic() + 60
@@ -211,7 +212,12 @@ def test_killed_launcher_leaves_nothing(sig):
         assert len(_ours(launcher.pid)) == 3  # the switch and two nodes
         time.sleep(1.0)  # the job is running
         launcher.send_signal(sig)
-        launcher.wait(timeout=60)
+        try:
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            launcher.send_signal(signal.SIGUSR1)  # the launcher prints where it waits
+            time.sleep(2)
+            pytest.fail(f"the launcher did not exit within 60 s:\n{err.read_text()}")
         deadline = time.monotonic() + 30
         while _ours(launcher.pid) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -11,6 +11,7 @@ create namespaces, are one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import signal
 import sys
@@ -143,6 +144,9 @@ def _cmd_run(args) -> int:
     if problem:
         return _error(problem)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGUSR1 prints every thread's stack to stderr: how a launcher that does not exit can be
+    # asked where it waits (tests/test_cluster.py does when one is late).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         with Cluster(args.nodes, args.ranks_per_node, args.bandwidth, args.latency) as cl:
             if not args.quiet:
