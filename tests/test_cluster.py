@@ -193,6 +193,10 @@ def test_timeout_kills_the_job_and_cleans_up():
     assert not [ns for ns in cluster._namespaces() if _dead_run(ns)]
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.cluster
 @needs_cluster
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
@@ -204,6 +208,9 @@ def test_killed_launcher_leaves_nothing(sig, tmp_path):
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=err.open("w"),
+        # Ctrl-C as at a terminal: a test run started in the background by a shell without
+        # job control inherits SIGINT ignored, and so would the launcher.
+        preexec_fn=_sigint_default,
     )
     try:
         deadline = time.monotonic() + 60
