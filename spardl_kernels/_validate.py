@@ -225,7 +225,7 @@ def check_accumulate_out(shape, dtype, n, work, writeable, overlaps):
 
 
 def check_work_array(name, ndim, dtype, writeable):
-    """The in-place target of ``divide_count_nonfinite`` / ``canonical_count_nonfinite``: 1-D,
+    """The target of ``divide_max_abs`` / ``canonical_count_nonfinite``: 1-D,
     float32 or float64 (an allreducer's work dtype), writeable."""
     check_ndim(name, ndim)
     dtype = np.dtype(dtype)

@@ -391,10 +391,13 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
     )
 
 
-def divide_count_nonfinite(x, s):
-    """``spardl_kernels.cpu.arrays.divide_count_nonfinite``: x = x / s in place, NaN canonical."""
-    x[:] = canonicalize(x / x.dtype.type(s))
-    return int((~np.isfinite(x)).sum())
+def divide_max_abs(x, s, out):
+    """``spardl_kernels.cpu.arrays.divide_max_abs``: out = x / s, NaN canonical; the largest
+    |quotient|, inf when one is not finite."""
+    out[:] = canonicalize(x / x.dtype.type(s))
+    if not np.all(np.isfinite(out)):
+        return np.inf
+    return float(np.abs(out).max()) if len(out) else 0.0
 
 
 def canonical_count_nonfinite(x):

@@ -811,13 +811,20 @@ def test_dense_passes_nan_bits_cpu_equals_gpu(data, dtype):
     from spardl_kernels.cuda import arrays as device_ops
 
     x = nan_mix(data, dtype, 7)
-    for name, args in (("divide_count_nonfinite", (3,)), ("canonical_count_nonfinite", ())):
+    for name, args in (("divide_max_abs", (3,)), ("canonical_count_nonfinite", ())):
         want = x.copy()
-        count = getattr(host_ops, name)(want, *args)
+        got = getattr(host_ops, name)(want, *args)
         d = dev(x)
-        assert getattr(device_ops, name)(d, *args) == count
+        assert getattr(device_ops, name)(d, *args) == got
         assert_unsigned_bits_equal(host(d), want)
+    want = np.empty_like(x)
+    peak = host_ops.divide_max_abs(x, 3, out=want)
+    d = dev(np.zeros_like(x))
+    assert device_ops.divide_max_abs(dev(x), 3, out=d) == peak
+    assert_unsigned_bits_equal(host(d), want)
     with pytest.raises(TypeError, match="^x: dtype"):
-        device_ops.divide_count_nonfinite(dev(np.ones(3, np.float16)), 2)
+        device_ops.divide_max_abs(dev(np.ones(3, np.float16)), 2)
     with pytest.raises(ValueError, match="^s: "):
-        device_ops.divide_count_nonfinite(dev(x), 0)
+        device_ops.divide_max_abs(dev(x), 0)
+    with pytest.raises(ValueError, match="^out: length"):
+        device_ops.divide_max_abs(dev(x), 2, out=dev(np.ones(len(x) + 1, dtype)))

@@ -695,10 +695,14 @@ def test_float16_widening_is_exact_for_every_bit_pattern():
 @given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64]), P=st.integers(1, 8))
 def test_dense_divide_and_count_nan_bits(data, dtype, P):
     x = nan_mix(data, dtype, data.draw(st.integers(0, 12)))
-    got, want = x.copy(), x.copy()
+    want = np.empty_like(x)
     with np.errstate(all="ignore"):
-        count = naive.divide_count_nonfinite(want, P)
-    assert host_arrays.divide_count_nonfinite(got, P) == count
+        peak = naive.divide_max_abs(x, P, want)
+    got = np.full_like(x, 7)
+    assert host_arrays.divide_max_abs(x, P, out=got) == peak
+    assert_same_bits(got, want)
+    got = x.copy()  # in place
+    assert host_arrays.divide_max_abs(got, P) == peak
     assert_same_bits(got, want)
     got, want = x.copy(), x.copy()
     count = naive.canonical_count_nonfinite(want)
@@ -807,14 +811,27 @@ def test_dense_passes_reject_bad_arguments():
         (np.ones(3, np.int64), TypeError, "^x: dtype"),
     ):
         with pytest.raises(exc, match=match):
-            host_arrays.divide_count_nonfinite(bad, 2)
+            host_arrays.divide_max_abs(bad, 2)
         with pytest.raises(exc, match=match):
             host_arrays.canonical_count_nonfinite(bad)
+        with pytest.raises(exc, match="^out" + match[2:]):
+            host_arrays.divide_max_abs(x, 2, out=bad)
+    y = np.ones(3)
+    for out, exc, match in (
+        (np.ones(4, np.float32), ValueError, "^out: length 4 does not match x"),
+        (np.ones(3), TypeError, "^out: dtype float64 does not match x"),
+        (x, ValueError, "^out: overlaps x"),
+    ):
+        with pytest.raises(exc, match=match):
+            host_arrays.divide_max_abs(x if out is not x else x[::-1], 2, out=out)
     x.flags.writeable = False
     with pytest.raises(ValueError, match="^x: array is read-only"):
         host_arrays.canonical_count_nonfinite(x)
-    y = np.ones(3)
+    with pytest.raises(ValueError, match="^x: array is read-only"):
+        host_arrays.divide_max_abs(x, 2)  # in place
+    got = np.empty(3, np.float32)
+    assert host_arrays.divide_max_abs(x, 2, out=got) == 0.5  # a read-only x is only read
     for s, exc in ((0, ValueError), (np.inf, ValueError), (True, TypeError), ("2", TypeError)):
         with pytest.raises(exc, match="^s: "):
-            host_arrays.divide_count_nonfinite(y, s)
+            host_arrays.divide_max_abs(y, s)
     assert (y == 1).all()

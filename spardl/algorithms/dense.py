@@ -13,6 +13,10 @@ from .base import Allreducer, _work_dtype
 #: Result buffers a dense allreducer keeps (per dtype in use).
 _POOL = 2
 
+#: Sums whose bound Σ_r max_i |g_ri / s| is below this are finite: every partial sum is at most
+#: the bound times (1 + ε)^P, far below the largest finite value, half of which this is.
+_BOUND = {name: float(np.finfo(name).max) / 2 for name in ("float32", "float64")}
+
 
 class Dense(Allreducer):
     """Dense allreduce: every rank sends all n values; nothing is dropped (E_new = 0).
@@ -25,27 +29,35 @@ class Dense(Allreducer):
     A step is the checks every allreducer makes, one ``MPI_Allreduce`` and nothing else of
     size n but what the result needs, so that it is a fair baseline for the sparse ones:
 
-    * float32 and float64 gradients: ``Allreduce(g, out)`` from the caller's buffer into the
-      result buffer, then for ``op="mean"`` ``out /= P`` in place, fused with the non-finite
-      count (one pass; for "sum" the count alone). The result buffer is reused from step to
-      step once nothing refers to the previous result any more (a pool of two, so a caller
-      that keeps the last result still gets reuse): a fresh 100 MB buffer costs tens of ms in
-      page faults on every step, which ``Allreduce`` into a caller's warm buffer does not pay;
-    * float16 gradients: one float32 copy of g (into a buffer kept from step to step), reduced
-      in place (``MPI_IN_PLACE``) in float32, divided in place, then rounded once to float16.
-      Sums of float16 overflow at 65504 long before their mean does, and MPI's own float16 sum
-      rounds after every addition; the float32 sum is what the sparse allreducers compute too.
-      A mean (or sum) beyond float16's range is clamped to ±65504 rather than becoming inf, as
-      in the other allreducers; with no residual, the rounding remainder is dropped. This costs
-      the float32 Allreduce's bytes (twice the float16 ones; ``stats`` counts them as sent);
-    * the non-finite check and the cross-rank check (one small allreduce) as in every
-      allreducer; no residual buffer, no index array, no copy of g. The allreducer holds up to
-      two result buffers of n values (three arrays for float16: its float32 work buffer).
+    * one pass over g before the sum writes g / s into the buffer MPI then reduces in place
+      (``MPI_IN_PLACE``; s = P for ``op="mean"``, 1 for "sum"), and finds max_i |g_i / s|
+      (inf if any entry is NaN or ±inf). That number travels as one more entry of the buffer,
+      so the sum also yields B = Σ_r max_i |g_ri / s|, which bounds every partial sum of every
+      index: below half the dtype's largest value (every step with finite gradients of sane
+      size) the sums are finite and no pass runs after the reduction; otherwise one pass counts
+      NaN and ±inf and writes NaNs as the canonical NaN (docs/design.md §3.4). The pass
+      replaces the copy of g into the result buffer that MPI's own ``Allreduce(g, out)`` makes,
+      so the step costs what that call costs, plus the cross-rank check;
+    * the buffer (float32 and float64 gradients) is reused from step to step once nothing
+      refers to the previous result any more (a pool of two, so a caller that keeps the last
+      result still gets reuse): a fresh 100 MB buffer costs tens of ms in page faults on every
+      step, which ``Allreduce`` into a caller's warm buffer does not pay;
+    * float16 gradients are widened to float32 (exact) into a buffer kept from step to step,
+      divided there, reduced in float32 and rounded once to float16. Sums of float16 overflow
+      at 65504 long before their mean does, and MPI's own float16 sum rounds after every
+      addition; the float32 sum is what the sparse allreducers compute too. A mean (or sum)
+      beyond float16's range is clamped to ±65504 rather than becoming inf, as in the other
+      allreducers; with no residual, the rounding remainder is dropped. This costs the float32
+      Allreduce's bytes (twice the float16 ones; ``stats`` counts them as sent);
+    * no residual buffer, no index array. The allreducer holds up to two buffers of n + 1
+      values (one more array for float16: its float32 work buffer).
 
     The result is the dense form of :class:`~spardl.result.SparseResult`: the reduced vector
     itself; ``to_dense()`` copies it, ``indices``/``values`` are made on first read. The values
-    are bit for bit the MPI library's sum (divided by P in the work dtype for the mean), so they
-    equal ``comm.Allreduce`` of the same buffers (see ``tests/mpi/test_dense.py``).
+    are bit for bit MPI's sum of the ranks' g / s in the work dtype (the mean is the sum of
+    g / P, as PyTorch's DistributedDataParallel computes it; for P a power of two that is the
+    sum divided by P, bit for bit), the same on every rank and on the GPU path
+    (``tests/mpi/test_dense.py``).
     """
 
     name = "dense"
@@ -64,54 +76,65 @@ class Dense(Allreducer):
             self._dtype = np.dtype(g.dtype)
         self._device = device
         work = _work_dtype(self._dtype)
-        with self.comm.phase("allreduce"):
-            if device:
-                x = A.cast(g, work, copy=self.P == 1)
-                total = x if self.P == 1 else self.comm.allreduce(x, "sum")
-            elif g.dtype == work:
-                total = self._buffer(work)
-                if self.P == 1:
-                    np.copyto(total, g)
-                else:
-                    self.comm.allreduce(g, "sum", out=total)
-            else:
-                if self._work is None:
-                    self._work = np.empty(self.n, work)
-                total = self._work
-                np.copyto(total, g)  # float16 -> float32, exact
-                if self.P > 1:
-                    self.comm.allreduce(total, "sum", out=total)
-        stats = self.comm.stats
-        self.comm.next_step()
-        # The mean's division and the non-finite count in one pass over the sums (a finite sum
-        # stays finite divided by P, Inf and NaN stay what they are, so the count is the same);
-        # the pass writes every NaN as the canonical NaN (docs/design.md §3.4), whatever NaN the
-        # MPI library's sum made.
-        scale = self.P if self.op == "mean" and self.P > 1 else 1
+        n = self.n
+        many = self.P > 1
         ops = host_arrays
         if device:
             from spardl_kernels.cuda import arrays as ops
-        if scale > 1:
-            finite = ops.divide_count_nonfinite(total, scale) == 0
-        elif self.nonfinite == "propagate":
-            finite = None
-        else:
-            finite = ops.canonical_count_nonfinite(total) == 0
+        # One pass before the sum: g / s (s = P for the mean) into the buffer MPI reduces in
+        # place, with this rank's largest |g_i / s| (inf for NaN or ±inf) in one more entry.
+        # Summed over the ranks, that entry bounds every partial sum of every index, so the
+        # sums are finite, and need no second pass, whenever it is well inside the range.
+        s = self.P if self.op == "mean" else 1
+        buf = self._send_buffer(work, n + many, device)
+        x = buf[:n]
+        if g.dtype == work:
+            peak = ops.divide_max_abs(g, s, out=x)
+        else:  # float16: widened exactly, then divided in place
+            if device:
+                ops.copy_into(x, A.cast(g, work))
+            else:
+                np.copyto(x, g)
+            peak = ops.divide_max_abs(x, s)
+        if many:
+            buf[n] = peak
+            with self.comm.phase("allreduce"):
+                buf = self.comm.allreduce(buf, "sum", out=buf)
+            x = buf[:n]
+            peak = float(buf[n])
+        stats = self.comm.stats
+        self.comm.next_step()
+        if peak < _BOUND[work.name]:
+            finite = True
+        else:  # a NaN or ±inf somewhere, or sums near the top of the range: count them
+            finite = ops.canonical_count_nonfinite(x) == 0
         if self.nonfinite != "propagate" and not finite:
             return self._not_applied(device), False
         self.step += 1
         stats["steps"] += 1
-        return SparseResult.from_dense(self._in_grad_dtype(total, finite)), True
+        return SparseResult.from_dense(self._in_grad_dtype(x, finite)), True
 
-    def _buffer(self, dtype):
-        """A host array of n ``dtype`` for this step's result: a pooled one that nothing outside
-        the pool refers to any more (no result, view or tensor of it is alive), else a new one,
-        kept in place of the oldest. Reusing memory spares the page faults of a fresh 4n-byte
-        buffer on every step (tens of ms for 100 MB); two buffers cover a caller that keeps
-        the previous result while it makes the next one."""
-        buf = self._pool.take(self.n, dtype)
+    def _send_buffer(self, work, m, device):
+        """The buffer of m work-dtype entries this step reduces in place: new on the device;
+        on the host pooled (float32/float64 gradients) or the float16 path's own."""
+        if device:
+            return A.empty(m, work, True)
+        if work == self._dtype:
+            return self._buffer(work, m)
+        if self._work is None or self._work.shape[0] != m:
+            self._work = np.empty(m, work)
+        return self._work
+
+    def _buffer(self, dtype, m=None):
+        """A host array of m (default n) ``dtype`` for this step's result: a pooled one that
+        nothing outside the pool refers to any more (no result, view or tensor of it is alive),
+        else a new one, kept in place of the oldest. Reusing memory spares the page faults of a
+        fresh 4n-byte buffer on every step (tens of ms for 100 MB); two buffers cover a caller
+        that keeps the previous result while it makes the next one."""
+        m = self.n if m is None else m
+        buf = self._pool.take(m, dtype)
         if buf is None:
-            buf = np.empty(self.n, dtype)
+            buf = np.empty(m, dtype)
             self._pool.keep(buf)
         return buf
 

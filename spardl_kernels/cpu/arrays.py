@@ -1,6 +1,7 @@
 """Host array passes besides the thirteen kernels, for code built on them (``spardl``'s
-collective layer): the fused division-and-count that ends a dense allreduce, and the casts and
-NaN rewriting whose bits must equal the device's.
+collective layer): the fused division and magnitude bound that start a dense allreduce, the
+non-finite count that checks its sums when the bound cannot, and the casts and NaN rewriting
+whose bits must equal the device's.
 
 Not kernels of the contract (docs/design.md §3.5): they are in-place passes of one allreducer
 over a dense work vector, not operations on sparse vectors, so ``spardl_kernels`` does not
@@ -15,7 +16,7 @@ from .. import _contract, _validate
 from ._common import JIT, as_array, canonical, narrow_half, widen_half
 
 __all__ = [
-    "divide_count_nonfinite",
+    "divide_max_abs",
     "canonical_count_nonfinite",
     "cast",
     "canonicalize",
@@ -26,13 +27,15 @@ __all__ = [
 
 
 @njit(**JIT)
-def _divide_count_nonfinite(x, s):
-    c = 0
+def _divide_abs_bits(x, bits, mask, s, out):
+    # out = x / s (NaN canonical); the largest bits of |x_i| (bits: x's bits as unsigned
+    # integers, mask: all but the sign bit). An integer maximum vectorises where a float one
+    # cannot (NaN), and a non-negative float's bits order as its value, NaN above inf.
+    top = mask ^ mask  # zero of the mask's unsigned type
     for i in range(x.shape[0]):
-        v = canonical(x[i] / s)
-        x[i] = v
-        c += not (abs(v) < np.inf)
-    return c
+        out[i] = canonical(x[i] / s)
+        top = max(top, bits[i] & mask)
+    return top
 
 
 @njit(**JIT)
@@ -225,43 +228,67 @@ def sub_members(s, idx, vals, members):
     return _member_pass(s, idx, vals, members, True, 2)
 
 
-def _work_array(x):
-    a = as_array(x, "x")
-    _validate.check_work_array("x", a.ndim, a.dtype, a.flags.writeable)
+def _work_array(x, name="x"):
+    a = as_array(x, name)
+    _validate.check_work_array(name, a.ndim, a.dtype, a.flags.writeable)
     return a
 
 
-def divide_count_nonfinite(x, s):
-    """``x /= s`` in place, and the number of NaN and ±inf entries of the result, in one pass.
+def divide_max_abs(x, s, out=None):
+    """``out = x / s``, and the largest magnitude of the quotients, in one pass.
+
+    The pass a dense allreduce makes before it sums: each rank scales its gradient by 1/P into
+    the buffer MPI reduces in place, and the largest magnitude, summed over the ranks, bounds
+    every partial sum, so one number tells whether the sums can hold NaN or ±inf.
 
     Parameters
     ----------
-    x : ndarray of shape (n,), float32 or float64, writeable
-        Summed values (a dense allreduce's sum over P ranks); overwritten with x / s.
+    x : ndarray of shape (n,), float32 or float64
+        The values to divide (a rank's gradient in its work dtype).
     s : real number, finite and non-zero
-        The divisor (P for a mean), converted once to x's dtype.
+        The divisor (P for a mean, 1 for a sum), converted once to x's dtype.
+    out : ndarray of shape (n,), x's dtype, writeable, optional
+        Receives x / s; x itself (in place) when None or x. It may be x, and must otherwise not
+        overlap it.
 
     Returns
     -------
-    int
-        The number of entries of the quotient that are NaN or ±inf.
+    float
+        max |x_i / s| over i (0.0 for n = 0), or ``inf`` if any quotient is NaN or ±inf.
 
     Raises
     ------
     TypeError
-        x not float32/float64, or s not a real number (bool included).
+        x or out not float32/float64, out's dtype not x's, or s not a real number (bool
+        included).
     ValueError
-        x not 1-D or read-only; s zero or not finite.
+        x or out not 1-D, out read-only or of another length; s zero or not finite.
 
     Notes
     -----
-    IEEE division in x's dtype, as NumPy's ``x / x.dtype.type(s)``; a NaN quotient (whatever NaN
-    the summation produced) is written as the canonical NaN (docs/design.md §3.4), so a dense
-    mean is the same bits on every machine.
+    IEEE division in x's dtype, as NumPy's ``x / x.dtype.type(s)``; a NaN quotient is written as
+    the canonical NaN (docs/design.md §3.4), so a dense mean is the same bits on every machine.
+    The maximum is one of the quotients (fl(max |x_i| / |s|): rounding is monotone), so it is
+    the same bits whatever order it is found in.
     """
-    x = _work_array(x)
+    x = as_array(x, "x")
+    _validate.check_work_array("x", x.ndim, x.dtype, True)
+    out = _work_array(x, "x") if out is None else _work_array(out, "out")
+    _validate.check_same_length("out", out.shape[0], "x", x.shape[0])
+    _validate.check_same_dtype("out", out.dtype, "x", x.dtype)
+    if out is not x:
+        _validate.require(
+            not np.shares_memory(out, x), "out", "overlaps x; pass out=None to divide in place"
+        )
     s = x.dtype.type(_validate.check_divisor(s))
-    return int(_divide_count_nonfinite(x, s))
+    uint = np.dtype(f"uint{8 * x.dtype.itemsize}").type
+    mask = np.iinfo(uint).max >> 1
+    top = _divide_abs_bits(x, x.view(uint), uint(mask), s, out)
+    if top >= np.array(np.inf, x.dtype).view(uint):  # inf or NaN among the x_i
+        return float("inf")
+    # Rounding is monotone, so the largest quotient is the largest |x_i| divided by |s|.
+    peak = np.array(top, uint).view(x.dtype)[()] / abs(s)
+    return float(peak) if np.isfinite(peak) else float("inf")
 
 
 def canonical_count_nonfinite(x):

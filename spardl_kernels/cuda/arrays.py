@@ -4,7 +4,7 @@ on its per-step buffers (X = g + E, setting and zeroing positions, index shifts,
 They are not kernels of the contract. Most have no CPU twin module: on the host they are one
 NumPy expression each (in ``spardl._arrays``). The exceptions, with twins of the same name and
 bits in :mod:`spardl_kernels.cpu.arrays`, are ``cast`` and ``canonicalize`` and the dense
-allreducer's passes ``divide_count_nonfinite`` and ``canonical_count_nonfinite``.
+allreducer's passes ``divide_max_abs`` and ``canonical_count_nonfinite``.
 
 Every function takes and returns Numba device arrays (or objects exposing
 ``__cuda_array_interface__``, wrapped zero-copy) and runs on the GPU or the CUDA simulator.
@@ -46,7 +46,7 @@ __all__ = [
     "aligned",
     "copy_into",
     "shift_into",
-    "divide_count_nonfinite",
+    "divide_max_abs",
     "canonical_count_nonfinite",
 ]
 
@@ -190,20 +190,21 @@ def _count_nonfinite(a, res):
 
 
 @cuda.jit
-def _divide_count_nonfinite(x, s, nan, res):
-    # x = x / s in place, a NaN quotient written as `nan`; res[0] += #{NaN or ±inf quotients}
-    c = 0
+def _divide_max_abs(x, s, nan, out, res):
+    # out = x / s, a NaN quotient written as `nan`; res[0] = max(res[0], max |quotient|), inf
+    # once a quotient is NaN or ±inf (the maximum is one of the quotients: order-free bits)
+    peak = 0.0
     for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
         v = x[i] / s
         if v != v:
-            x[i] = nan
-            c += 1
+            out[i] = nan
+            peak = math.inf
         else:
-            x[i] = v
-            if math.isinf(v):
-                c += 1
-    if c:
-        cuda.atomic.add(res, 0, c)
+            out[i] = v
+            a = abs(v)
+            if a > peak:
+                peak = a
+    cuda.atomic.max(res, 0, peak)
 
 
 @cuda.jit
@@ -450,9 +451,9 @@ def shift_into(out, a, c):
     return out
 
 
-def _work_array(x):
+def _work_array(x, name="x"):
     x = view(x)
-    _validate.check_work_array("x", x.ndim, x.dtype, True)
+    _validate.check_work_array(name, x.ndim, x.dtype, True)
     return x
 
 
@@ -463,30 +464,40 @@ def _launch_count(kernel, x, *args):
     return int(res.copy_to_host()[0])
 
 
-def divide_count_nonfinite(x, s):
-    """``x /= s`` in place on the device, and the number of NaN and ±inf quotients.
+def divide_max_abs(x, s, out=None):
+    """``out = x / s`` on the device, and the largest magnitude of the quotients.
 
-    The twin of :func:`spardl_kernels.cpu.arrays.divide_count_nonfinite` (same arguments,
-    errors and bits: IEEE division in x's dtype, a NaN quotient written as the canonical NaN of
-    docs/design.md §3.4). One kernel and one integer copied back.
+    The twin of :func:`spardl_kernels.cpu.arrays.divide_max_abs` (same arguments, errors and
+    bits: IEEE division in x's dtype, a NaN quotient written as the canonical NaN of
+    docs/design.md §3.4). One kernel and one number copied back.
 
     Parameters
     ----------
     x : device array of shape (n,), float32 or float64
     s : real number, finite and non-zero
+    out : device array of shape (n,), x's dtype, optional
+        Receives the quotients; x itself (in place) when None.
 
     Returns
     -------
-    int
+    float
+        max |x_i / s|, or ``inf`` if any quotient is NaN or ±inf.
 
     Raises
     ------
     TypeError, ValueError
         As the CPU function.
     """
-    x = _work_array(x)
+    x = view(x)
+    _validate.check_work_array("x", x.ndim, x.dtype, True)
+    out = x if out is None else _work_array(out, "out")
+    _validate.check_same_length("out", out.shape[0], "x", x.shape[0])
+    _validate.check_same_dtype("out", out.dtype, "x", x.dtype)
     s = np.dtype(x.dtype).type(_validate.check_divisor(s))
-    return _launch_count(_divide_count_nonfinite, x, s)
+    res = cuda.to_device(np.zeros(1, np.float64))
+    if x.shape[0]:
+        C.launch(_divide_max_abs, x.shape[0])(x, s, C.canonical_nan(x.dtype), out, res)
+    return float(res.copy_to_host()[0])
 
 
 def canonical_count_nonfinite(x):

@@ -21,14 +21,16 @@ def _work(dtype):
 
 def _reference(comm, g, op):
     """What the dense allreducer promises, computed the same way here: MPI's own Allreduce of
-    the gradient in the work dtype (float32 for float16), divided by P in that dtype for the
-    mean, then rounded once to the gradient's dtype."""
+    the gradient in the work dtype (float32 for float16) divided by s (P for the mean, 1 for the
+    sum), with max |g / s| as one more entry (P > 1), then rounded once to the gradient's
+    dtype."""
     w = _work(g.dtype)
-    total = np.empty(len(g), w)
-    comm.Allreduce(g.astype(w), total, op=MPI.SUM)
-    if op == "mean":
-        total = total / w.type(comm.size)
-    return total.astype(g.dtype)
+    scaled = g.astype(w) / w.type(comm.size if op == "mean" else 1)
+    peak = np.abs(scaled).max() if np.all(np.isfinite(scaled)) else np.inf
+    buf = np.append(scaled, w.type(peak)) if comm.size > 1 else scaled
+    total = np.empty_like(buf)
+    comm.Allreduce(buf, total, op=MPI.SUM)
+    return total[: len(g)].astype(g.dtype)
 
 
 @pytest.mark.every_comm
@@ -53,8 +55,9 @@ def test_equals_mpi_allreduce_bit_for_bit(comm, dtype, op):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_exact_mean_and_sum_of_representable_values(comm, dtype):
-    """Small multiples of 1/8: every partial sum is exact in any order, so the result is the
-    NumPy sum (and the sum divided by P, rounded once) whatever MPI's reduction order."""
+    """Small multiples of 1/8: every partial sum is exact in any order, so the sum is the NumPy
+    sum whatever MPI's reduction order; so is the mean where P is a power of two (g / P exact),
+    and otherwise it is within a few units in the last place of the sum divided by P."""
     n = 257
     P = comm.size
     gs = [(np.random.default_rng(50 + r).integers(-64, 65, n) / 8).astype(dtype) for r in range(P)]
@@ -65,7 +68,11 @@ def test_exact_mean_and_sum_of_representable_values(comm, dtype):
     assert total.to_dense().tobytes() == exact.astype(w).astype(dtype).tobytes()
     mean = spardl.make("dense", comm, n, op="mean")(g)
     want = (exact.astype(w) / w.type(P)).astype(dtype)
-    assert mean.to_dense().tobytes() == want.tobytes()
+    if P & (P - 1) == 0:
+        assert mean.to_dense().tobytes() == want.tobytes()
+    else:
+        tol = 4 * P * np.finfo(w).eps
+        np.testing.assert_allclose(mean.to_dense().astype(np.float64), want, rtol=tol, atol=tol)
 
 
 def test_counters_are_one_allreduce(comm):
@@ -76,7 +83,7 @@ def test_counters_are_one_allreduce(comm):
     for _ in range(3):
         ar(g)
     P = comm.size
-    per_call = 2 * 4 * n * (P - 1) // P
+    per_call = 2 * 4 * (n + 1) * (P - 1) // P  # the values and the bound B (class docstring)
     assert ar.stats["messages"] == (3 if P > 1 else 0)
     assert ar.stats["bytes_sent"] == ar.stats["bytes_received"] == 3 * per_call
     assert ar.stats["control_messages"] == control + 3  # the cross-rank check of each call
@@ -133,3 +140,50 @@ def test_nonfinite_propagate_returns_the_sum(comm):
     d = out.to_dense()
     assert np.isposinf(d[3]) and np.isnan(d[4]) and np.all(d[5:] == 1)
     np.testing.assert_array_equal(out.indices, np.arange(n))  # NaN is listed
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nan_is_canonical_whoever_made_it(comm, op, dtype):
+    """A NaN with a payload in a gradient, and ∞ − ∞ that only MPI's sum makes (+inf on even
+    ranks, −inf on odd ones, P > 1), come out as the canonical NaN (docs/design.md §3.4), with
+    ``nonfinite="propagate"``, for the sum as for the mean."""
+    from naive import canonical_nan
+
+    n = 16
+    uint = np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+    g = np.ones(n, dtype)
+    quiet = np.array(np.nan, dtype).view(uint)
+    g[2:3].view(uint)[0] = quiet | 0x1234  # a NaN with a payload, on rank 0
+    if comm.rank != 0:
+        g[2] = 1
+    g[5] = np.inf if comm.rank % 2 == 0 else -np.inf
+    out = spardl.make("dense", comm, n, op=op, nonfinite="propagate")(g)
+    assert_identical_everywhere(comm, out)
+    d = out.to_dense()
+    nan_bits = np.array([canonical_nan(dtype)]).view(uint)[0]
+    assert d[2:3].view(uint)[0] == nan_bits
+    if comm.size > 1:
+        assert d[5:6].view(uint)[0] == nan_bits
+    else:
+        assert np.isposinf(d[5])
+
+
+def test_sums_near_the_top_of_the_range(comm):
+    """Float32 gradients of 3e38 on every rank: their sum overflows for P > 1 (raised on every
+    rank, the step not applied), while their mean, the sum of g / P, is finite and exact."""
+    n = 8
+    g = np.full(n, 3e38, np.float32)
+    mean = spardl.make("dense", comm, n, op="mean")(g).to_dense()
+    assert np.all(np.isfinite(mean))
+    np.testing.assert_allclose(mean, g, rtol=4 * comm.size * np.finfo(np.float32).eps)
+    ar = spardl.make("dense", comm, n, op="sum")
+    if comm.size == 1:
+        assert ar(g).to_dense().tobytes() == g.tobytes()
+        return
+    with pytest.raises(spardl.NonFiniteError):
+        ar(g)
+    assert ar.step == 0
+    half = np.full(n, 3e38 / comm.size / 2, np.float32)  # bound B above half the range at P = 2
+    total = ar(half).to_dense()
+    assert np.all(np.isfinite(total)) and ar.step == 1
