@@ -31,10 +31,12 @@ def _divide_abs_bits(x, bits, mask, s, out):
     # out = x / s (NaN canonical); the largest bits of |x_i| (bits: x's bits as unsigned
     # integers, mask: all but the sign bit). An integer maximum vectorises where a float one
     # cannot (NaN), and a non-negative float's bits order as its value, NaN above inf.
+    # x's bits are read before out is written: out may be x itself (in place).
     top = mask ^ mask  # zero of the mask's unsigned type
     for i in range(x.shape[0]):
+        b = bits[i] & mask
         out[i] = canonical(x[i] / s)
-        top = max(top, bits[i] & mask)
+        top = max(top, b)
     return top
 
 
