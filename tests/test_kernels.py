@@ -835,3 +835,33 @@ def test_dense_passes_reject_bad_arguments():
         with pytest.raises(exc, match="^s: "):
             host_arrays.divide_max_abs(y, s)
     assert (y == 1).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", ["subnormal", "nan", "full"])
+def test_window_pass_outside_the_float_compares(dtype, kind):
+    """The window pass tests keys with float compares only where they equal the integer test
+    (a normal, non-NaN threshold): a k-th largest magnitude that is subnormal, or NaN (more than
+    k NaNs), takes the integer test; a window whose lists fill up (k above the sample's
+    estimate) keeps counting without writing past them. Every path equals the NumPy order."""
+    rng = np.random.default_rng(11)
+    n = 3 * (1 << 15) + 5
+    tiny = np.finfo(dtype).smallest_subnormal
+    if kind == "subnormal":
+        x = (rng.integers(-1000, 1000, n) * tiny).astype(dtype)
+        x[::997] = 1.0
+    elif kind == "nan":
+        x = rng.standard_normal(n).astype(dtype)
+        x[rng.random(n) < 0.2] = np.nan
+    else:
+        x = rng.standard_normal(n).astype(dtype)
+    e = np.zeros(n, dtype)
+    for k in (n // 100, n // 5, n // 3):
+        for sigmas in (None, 0.0):
+            with tuning(sigmas=sigmas):
+                same_pair(sk.topk_abs(x, k), naive.topk_abs(x, k))
+                got = sk.accumulate_topk(x, e, np.array([k]), np.array([0, n]))
+            for a, b in zip(
+                got, naive.accumulate_topk(x, e, np.array([k]), np.array([0, n])), strict=True
+            ):
+                same_bits(a, b)

@@ -4,6 +4,7 @@ NaN of computed values and exact float16 <-> float32 conversions."""
 import contextlib
 import functools
 import os
+import threading
 
 import numba
 import numpy as np
@@ -129,6 +130,28 @@ def numba_threads(threads):
         yield
     finally:
         numba.set_num_threads(saved)
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(name, size, dtype):
+    """A scratch array of ``size`` entries of ``dtype`` for the calling thread, reused from call
+    to call: its memory stays mapped, where a fresh megabyte-sized ``np.empty`` on every call
+    pays its page faults again (a window pass at n = 25 M, ρ = 1 %: 3 ms of 17, measured).
+
+    For workers' private buffers only (a window pass's lists): the array is overwritten by the
+    next call with the same ``name`` on this thread, so nothing a kernel returns may be, or
+    view, a scratch array. Per thread, so kernels called from several threads at once (the
+    GIL released) never share one. Grows by a quarter beyond the largest size asked for.
+    """
+    pool = _SCRATCH.__dict__
+    key = (name, np.dtype(dtype).str)
+    buf = pool.get(key)
+    if buf is None or buf.shape[0] < size:
+        buf = np.empty(size + size // 4, dtype)
+        pool[key] = buf
+    return buf[:size]
 
 
 def part_bounds(n, parts):

@@ -18,9 +18,12 @@ from ._common import JIT, as_values, canonical, key_view
 from .select import (
     _bracket,
     _digits,
+    _float_args,
+    _float_test,
     _key,
     _sample_position,
     _topk_into,
+    _window_buffers,
     _window_finish,
     _window_sample_size,
     _window_scan,
@@ -135,6 +138,7 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
         else:
             _add_widened(g, e, x)
     xb, mask, _, nan_key = key_view(x)
+    _, normal_key, inf_key = _float_args(xb, work)
     digits = _digits(work)
     lanes = int(config.HIST_LANES)
     cutoff = int(config.SMALL_N_CUTOFF)
@@ -151,8 +155,10 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
             keys = _sample_sums(g, e, lo_b, hi_b, s, nan_key, mask, xb.dtype)
             lo, hi, cap = _bracket(keys, length, k, nan_key, config.WINDOW_SIGMAS)
             if lo != 0 and cap <= length // 4:
+                t, usable = _float_test(lo, xb, x, normal_key, inf_key)
+                found = _window_buffers(k, cap, xb.dtype)
                 ok, n_def, m, found = _window_scan(
-                    g, e, x, xb, lo_b, hi_b, True, k, mask, nan_key, lo, hi, cap
+                    g, e, x, xb, lo_b, hi_b, True, k, mask, nan_key, lo, hi, cap, t, usable, found
                 )
                 if ok:
                     _window_finish(k, nan_key, digits, lanes, cutoff, n_def, m, found, sel_i, sel_v)
