@@ -153,7 +153,8 @@ def _digits_table(rows, dense_by_seed: dict, where: str, density: float) -> list
     m0 = rows[0][2]
     lines = [
         f"{where}; density {density}, {m0['epochs']} epochs, "
-        f"batch {m0['batch_size']}/rank, lr {m0['lr']}, {m0['n_params']} parameters",
+        f"batch {m0['batch_size']}/rank, lr {m0['lr']}, {m0.get('model', 'cnn')} of "
+        f"{m0['n_params']} parameters",
         "",
         "| run | seed | test acc | Δ vs dense (points) | MB sent/rank | % of dense bytes "
         "| train s | time to dense − 1 pt (s) | × dense's time | job s |",
@@ -192,6 +193,7 @@ def _args(argv):
     p.add_argument("--epochs", type=int, default=None, help="default: the train default")
     p.add_argument("--steps", type=int, default=None, help="lm: default: the train default")
     p.add_argument("--eval-every", type=int, default=None, help="lm: default: the train default")
+    p.add_argument("--model", choices=("cnn", "mlp"), default=None, help="digits: the model")
     p.add_argument("--width", type=int, default=None, help="model width (default: the train one)")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: the train one)")
     p.add_argument(
@@ -229,7 +231,7 @@ def _train_args(args, label: str, seed: int, out: Path) -> list[str]:
     ]
     if args.epochs is not None:
         train_args += ["--epochs", str(args.epochs)]
-    for name in ("width", "batch_size", "steps", "eval_every"):
+    for name in ("model", "width", "batch_size", "steps", "eval_every"):
         if getattr(args, name) is not None:
             train_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return train_args

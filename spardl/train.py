@@ -59,6 +59,7 @@ DEFAULTS = {
     "lr": 0.1,
     "momentum": 0.9,
     "width": 16,
+    "model": "cnn",
     "seed": 0,
     "hook": "reducer",
     "test_fraction": 0.2,
@@ -97,8 +98,13 @@ _DGC_DEFAULTS = {
     "warmup_density": 0.25,
 }
 #: Options of one task only (None unless given), and the per-task defaults filled in by run().
-_TASK_ONLY = {"digits": ("epochs",), "lm": ("steps", "eval_every", "layers", "heads", "context")}
-_PER_TASK = ("epochs", "batch_size", "lr", "width", *_TASK_ONLY["lm"])
+_TASK_ONLY = {
+    "digits": ("epochs", "model"),
+    "lm": ("steps", "eval_every", "layers", "heads", "context"),
+}
+_PER_TASK = ("epochs", "model", "batch_size", "lr", "width", *_TASK_ONLY["lm"])
+#: The digits task's models (:func:`build_model`).
+MODELS = ("cnn", "mlp")
 
 
 def add_arguments(p) -> None:
@@ -217,11 +223,20 @@ def _add_model_options(p) -> None:
 
     d = DEFAULTS
     p.add_argument(
+        "--model",
+        choices=MODELS,
+        default=None,
+        help="digits only: cnn, a small convolutional network, or mlp, two hidden layers of "
+        "--width units: one multiply-add per parameter and sample where the CNN's convolutions "
+        "make dozens, so that communication, not compute, sets the step time "
+        f"(default: {d['model']})",
+    )
+    p.add_argument(
         "--width",
         type=_RANGED["width"],
         default=None,
-        help=f"channels of the first convolution (default: {d['width']}); lm: the model "
-        f"dimension (default: {lm['width']})",
+        help=f"channels of the first convolution (default: {d['width']}); mlp: hidden units; "
+        f"lm: the model dimension (default: {lm['width']})",
     )
     p.add_argument(
         "--layers",
@@ -360,6 +375,8 @@ def _check_args(args, P: int) -> None:
         unused = name in _OPTIONAL or (name in _PER_TASK and name not in _task_options(args))
         if not (v is None and unused) and not kind.ok(v):
             raise UsageError(f"{_option(name)} must be {kind.what}, got {v}")
+    if args.task == "digits" and args.model not in MODELS:
+        raise UsageError(f"--model must be one of {', '.join(MODELS)}, got {args.model!r}")
     if args.task == "digits" and args.stop_after is not None and args.stop_after > args.epochs:
         raise UsageError(
             f"--stop-after must be in [1, --epochs={args.epochs}], got {args.stop_after}"
@@ -446,6 +463,7 @@ RUN_OPTIONS = (
     "lr",
     "momentum",
     "width",
+    "model",
     "layers",
     "heads",
     "context",
@@ -578,14 +596,32 @@ def _check_paths(args, job) -> None:
         raise UsageError(f"{p} (rank {r}" + (f" and {len(bad) - 1} more)" if len(bad) > 1 else ")"))
 
 
-def build_model(width: int = 16):
-    """A small CNN for 1×8×8 images, 10 classes.
+def build_model(width: int = 16, model: str = "cnn"):
+    """A small network for 1×8×8 images, 10 classes.
 
-    conv(1→w, 3×3) · ReLU · conv(w→2w, 3×3) · ReLU · max-pool 2 · linear(2w·16 → 64) · ReLU ·
-    linear(64 → 10). With w = 16: 38,122 parameters.
+    ``"cnn"``: conv(1→w, 3×3) · ReLU · conv(w→2w, 3×3) · ReLU · max-pool 2 · linear(2w·16 → 64)
+    · ReLU · linear(64 → 10). With w = 16: 38,122 parameters; w = 96: 364,362.
+
+    ``"mlp"``: flatten · linear(64 → w) · ReLU · linear(w → w) · ReLU · linear(w → 10). With
+    w = 1024: 1,126,410 parameters. A fully connected layer does 2 multiply-adds per parameter
+    and sample in forward and backward together about 6 operations; a convolution on 8×8
+    images reuses each weight at 64 (or 16) positions. So at equal size the MLP's step is a
+    small fraction of the CNN's compute and its gradient is as large: the kind of model (as
+    the fully connected layers of VGG, or embedding tables) where the allreduce sets the pace.
     """
     from torch import nn
 
+    if model == "mlp":
+        return nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(64, width),
+            nn.ReLU(),
+            nn.Linear(width, width),
+            nn.ReLU(),
+            nn.Linear(width, 10),
+        )
+    if model != "cnn":
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
     return nn.Sequential(
         nn.Conv2d(1, width, 3, padding=1),
         nn.ReLU(),
@@ -731,7 +767,7 @@ def _digits_setup(args, rank: int, P: int):
         "steps_per_epoch": math.ceil((len(x_tr) // P) / args.batch_size),
     }
     torch.manual_seed(args.seed)  # identical initial replicas on every rank
-    return data, build_model(args.width)
+    return data, build_model(args.width, args.model)
 
 
 def _train_digits(tr: _Trainer, data: dict, resumed: dict | None) -> tuple[list[dict], dict]:
@@ -994,6 +1030,7 @@ def _run_metrics(args, P: int, n_params: int) -> dict:
         "warmup_density": args.warmup_density if args.density_warmup else None,
         "optimizer_momentum": _optimizer_momentum(args),
         "width": args.width,
+        "model": args.model,
         "seed": args.seed,
         "n_params": n_params,
     }
