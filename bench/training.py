@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -113,7 +114,7 @@ def _plot(rows, path: Path, title: str) -> None:
     ax.set_ylabel("validation bits per character" if lm else "test accuracy (%)")
     if not lm:
         ax.set_ylim(80, 100)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 90), fontsize=9)  # a long title wraps, not clips
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -37,6 +37,7 @@ __all__ = [
     "set_at",
     "zero_at",
     "zero_members",
+    "set_outside_log",
     "sub_members",
     "shift",
     "take",
@@ -161,6 +162,12 @@ def set_outside(s, idx, vals, members):
     """``s[i] = v`` for (i, v) in (idx, vals) with i NOT in the ascending ``members`` (idx
     unique); returns s."""
     return (device_ops() if is_device(s) else host_ops).set_outside(s, idx, vals, members)
+
+
+def set_outside_log(s, log, members):
+    """:func:`set_outside` of every (idx, vals) of ``log`` (oldest first), newest first, against
+    one ascending ``members``; returns s."""
+    return (device_ops() if is_device(s) else host_ops).set_outside_log(s, log, members)
 
 
 def sub_members(s, idx, vals, members):

@@ -581,9 +581,10 @@ class _Core:
         out.to_dense(out=buf)  # into the flat buffer, on its device
         _sync(self.flat)
         if x_in is not None:
-            # Factor masking: u is zeroed where this rank's accumulation left its residual.
-            sent = (_tensor(ar.residual, self.flat) == 0) & (x_in != 0)
-            self.velocity[sent] = 0
+            # Factor masking: u is zeroed where this rank's accumulation left its residual
+            # (masked_fill_: no index list, where boolean indexing builds one).
+            res = _tensor(ar.residual, self.flat)
+            self.velocity.masked_fill_(torch.logical_and(res == 0, x_in != 0), 0)
         if applied:  # the schedules (dense warm-up, density warm-up) count applied steps
             self.step += 1
         return out
@@ -628,8 +629,8 @@ class _Core:
         # X = u + E_old, in the allreducer's work dtype and the same float operations.
         flat = self.flat
         work = torch.float32 if flat.dtype == torch.float16 else flat.dtype
-        x_in = flat.to(work, copy=True)
-        x_in += _tensor(ar.residual, flat).to(work)
+        res = _tensor(ar.residual, flat)
+        x_in = torch.add(flat.to(work), res.to(work))  # one pass where no dtype changes
         return u_before, x_in
 
     def _undo(self, ar, u_before, before_density) -> None:

@@ -865,3 +865,45 @@ def test_window_pass_outside_the_float_compares(dtype, kind):
                 got, naive.accumulate_topk(x, e, np.array([k]), np.array([0, n])), strict=True
             ):
                 same_bits(a, b)
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64]), n=st.integers(1, 300))
+def test_set_outside_log_equals_the_replay_newest_first(data, dtype, n):
+    """``set_outside_log`` (one members bitmap for the whole log) against NumPy's replay of the
+    log newest first: positions repeating across entries end with the oldest entry's value
+    outside ``members``; entries ascending or shuffled; and the bitmap scratch is left all zero
+    (a second call with other members sees none of the first call's)."""
+    pick = st.lists(st.integers(0, n - 1), unique=True, max_size=n)
+    log = []
+    for _ in range(data.draw(st.integers(0, 4))):
+        idx = np.array(data.draw(st.permutations(data.draw(pick))), dtype=np.int64)
+        log.append((idx, nan_mix(data, dtype, len(idx))))
+    members = np.array(sorted(data.draw(pick)), dtype=np.int64)
+    s = nan_mix(data, dtype, n)
+    want = s.copy()
+    for idx, vals in reversed(log):
+        out = ~np.isin(idx, members)
+        want[idx[out]] = vals[out]
+    assert_same_bits(host_arrays.set_outside_log(s.copy(), log, members), want)
+    want = s.copy()
+    for idx, vals in reversed(log):
+        want[idx] = vals
+    empty = np.zeros(0, np.int64)
+    assert_same_bits(host_arrays.set_outside_log(s.copy(), log, empty), want)
+
+
+def test_set_outside_log_rejects_bad_arguments_naming_them():
+    s = np.zeros(5, np.float32)
+    vals = np.ones(2, np.float32)
+    members = np.array([1, 3], np.int64)
+    for log, mem, exc, match in (
+        ([([0, 5], vals)], members, ValueError, "^idx: pos"),
+        ([([0, 1], vals[:1])], members, ValueError, "^vals: exp"),
+        ([([0.0, 1.0], vals)], members, TypeError, "^idx: d"),
+        ([([0, 1], vals)], [3, 1], ValueError, "^members: must be asc"),
+        ([([0, 1], vals)], [1, 7], ValueError, "^members: pos"),
+    ):
+        with pytest.raises(exc, match=match):
+            host_arrays.set_outside_log(s, log, mem)
+    assert not np.any(s)  # nothing written by a call that raised

@@ -406,9 +406,7 @@ class _PartialSums:
     def restore_outside(self, members):
         """GRC's step 3: replay the log newest first at the positions not in the ascending
         ``members`` (I); returns S, now E_new (see the class docstring)."""
-        for idx, old in reversed(self._log):
-            A.set_outside(self.S, idx, old, members)
-        return self.S
+        return A.set_outside_log(self.S, self._log, members)
 
     def forget_sent(self):
         """``residual="local"``: S back to X everywhere, then every position given up zeroed."""

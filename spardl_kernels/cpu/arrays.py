@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit
 
 from .. import _contract, _validate
-from ._common import JIT, as_array, canonical, narrow_half, widen_half
+from ._common import JIT, as_array, canonical, narrow_half, scratch, widen_half
 
 __all__ = [
     "divide_max_abs",
@@ -22,6 +22,7 @@ __all__ = [
     "canonicalize",
     "zero_members",
     "set_outside",
+    "set_outside_log",
     "sub_members",
 ]
 
@@ -200,6 +201,93 @@ def set_outside(s, idx, vals, members):
         As :func:`zero_members`; also ``vals`` not of ``idx``'s length and ``s``'s dtype.
     """
     return _member_pass(s, idx, vals, members, False, 1)
+
+
+@njit(**JIT)
+def _mark(bits, members, on):
+    # bit i of the bitmap (word i >> 6, bit i & 63) set (on) or cleared for every member i
+    one = np.uint64(1)
+    for j in range(members.shape[0]):
+        v = members[j]
+        b = one << np.uint64(v & 63)
+        if on:
+            bits[v >> 6] |= b
+        else:
+            bits[v >> 6] &= ~b
+
+
+@njit(**JIT)
+def _set_unmarked(s, idx, vals, bits):
+    # s[i] = v for every (i, v) whose bit is clear. A branch, not a select: the writes to s
+    # are scattered cache misses, and a member's position is then not touched at all.
+    one = np.uint64(1)
+    for j in range(idx.shape[0]):
+        v = idx[j]
+        if not (bits[v >> 6] >> np.uint64(v & 63)) & one:
+            s[v] = vals[j]
+
+
+def set_outside_log(s, log, members):
+    """:func:`set_outside` of every entry of ``log``, newest first, against one ``members``.
+
+    The same as ``for idx, vals in reversed(log): set_outside(s, idx, vals, members)``, bit for
+    bit, but ``members`` is checked once and marked once in a bitmap of n bits (per-thread
+    scratch, cleared again before returning), so each entry costs one lookup per position
+    instead of a merge against all of ``members``: SparDL's Global Residual Collection replays
+    a log of 2⌈log₂P⌉ entries against the 250 000 output indices at n = 25 M, ρ = 1 %.
+
+    Parameters
+    ----------
+    s : ndarray of shape (n,), float32 or float64
+        The dense work vector; modified in place.
+    log : sequence of (idx, vals)
+        Oldest first; each ``idx`` an int64 array of unique positions of ``s`` (any order),
+        ``vals`` of its length and ``s``'s dtype. Positions may repeat across entries: the
+        oldest entry's value is what remains.
+    members : ndarray of shape (m,), int64, ascending
+        The positions left alone.
+
+    Returns
+    -------
+    ndarray
+        ``s``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`set_outside`, for any entry.
+    """
+    s = as_array(s, "s")
+    _validate.check_work_array("s", s.ndim, s.dtype, s.flags.writeable)
+    members = _positions("members", members)
+    if _descents(members):
+        raise ValueError("members: must be ascending")
+    if _outside(members, s.shape[0]):
+        raise ValueError(f"members: positions must lie in [0, {s.shape[0]})")
+    entries = []
+    for idx, vals in log:
+        idx = _positions("idx", idx)
+        if _outside(idx, s.shape[0]):
+            raise ValueError(f"idx: positions must lie in [0, {s.shape[0]})")
+        vals = as_array(vals, "vals")
+        if vals.shape != idx.shape or vals.dtype != s.dtype:
+            raise ValueError(
+                f"vals: expected shape {idx.shape} and dtype {s.dtype}, "
+                f"got {vals.shape} {vals.dtype}"
+            )
+        entries.append((idx, vals))
+    if not entries:
+        return s
+    bits = scratch("members bitmap", (s.shape[0] + 63) // 64, np.uint64, zero=True)
+    members = members.astype(np.int64, copy=False)
+    _mark(bits, members, True)
+    try:
+        for idx, vals in reversed(entries):
+            if idx.shape[0]:
+                _set_unmarked(s, idx.astype(np.int64, copy=False), vals, bits)
+    finally:
+        _mark(bits, members, False)  # the scratch bitmap is all zero between calls
+    return s
 
 
 def sub_members(s, idx, vals, members):

@@ -35,6 +35,7 @@ __all__ = [
     "zero_at",
     "zero_members",
     "set_outside",
+    "set_outside_log",
     "sub_members",
     "shift",
     "take",
@@ -331,6 +332,15 @@ def set_outside(s, idx, vals, members):
     """``s[i] = v`` for every (i, v) of (idx, vals) with i not in the ascending ``members``."""
     if idx.shape[0]:
         C.launch(_set_outside, idx.shape[0])(s, view(idx), view(vals), view(members))
+    return s
+
+
+def set_outside_log(s, log, members):
+    """:func:`set_outside` of every (idx, vals) of ``log`` (oldest first), newest first: the
+    twin of :func:`spardl_kernels.cpu.arrays.set_outside_log` (the same bits; one launch per
+    entry, each searching ``members``)."""
+    for idx, vals in reversed(list(log)):
+        set_outside(s, idx, vals, members)
     return s
 
 

@@ -285,6 +285,11 @@ def test_arrays_twins():
     both(A.zero_at, x, idx)
     both(A.zero_members, x, idx, members)
     both(A.sub_members, x, idx, vals, members)
+    log_h = [(idx, vals), (pos, vals[:3] * 2)]  # position 0 in both: the oldest value stays
+    log_d = [tuple(cuda.to_device(a) for a in entry) for entry in log_h]
+    h = A.set_outside_log(x.copy(), log_h, members)
+    d = A.set_outside_log(cuda.to_device(x), log_d, cuda.to_device(members))
+    assert bits(d) == bits(h) and h[0] == vals[0]
     both(A.shift, idx, -4)
     both(A.take, x, pos)
     both(A.take, idx, np.array([3, 1], np.int64))
