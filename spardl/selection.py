@@ -20,6 +20,7 @@ import numpy as np
 import spardl_kernels as K
 from spardl_kernels.devices import is_device_array
 
+from . import _arrays as A
 from ._checks import check_float, check_int
 
 __all__ = ["Selector", "ExactSelector", "ThresholdSelector", "make_selector", "SELECTORS"]
@@ -86,6 +87,14 @@ class Selector:
         """Upper bound of ``len(indices)`` returned for budget ``k`` (sizes receive buffers)."""
         raise NotImplementedError
 
+    def planned(self, n: int, k: int, key=0):
+        """The threshold t the next :meth:`select` of an x of length n with budget k for ``key``
+        will select above (``select_above(x, t)``), or None when that call will not (an exact
+        call, or a selector without thresholds). A caller that makes that selection itself
+        while it computes x (``spardl_kernels.accumulate_above``) passes it to :meth:`select`
+        as ``above``. Changes nothing."""
+        return None
+
     def state_dict(self) -> dict:
         """The selector's state, to checkpoint (plain Python and NumPy values)."""
         return {"kind": self.kind}
@@ -112,7 +121,7 @@ class ExactSelector(Selector):
 
     kind = "exact"
 
-    def select(self, x, k, key=0):
+    def select(self, x, k, key=0, above=None):
         x, k = _check_x_k(x, k)
         if k == 0:
             return _empty(x)
@@ -131,7 +140,9 @@ class ThresholdSelector(Selector):
       whenever k or len(x) changed since the last call), the exact top-k is returned and
       t = ``kth_largest_abs(x, k)``.
     * Otherwise ``select_above(x, t)`` is returned (count c_t). If c_t > ``max_count(k)`` it falls
-      back to the exact top-k and recomputes t exactly. Else t is nudged for the next call:
+      back to the exact top-k and recomputes t exactly; the top-k then lies among the c_t > k
+      entries the threshold passed (every entry above the k-th largest is above t), so it is
+      selected from those, not from x again. Else t is nudged for the next call:
       t ← t · clip(((c_t + 1)/(k + 1))^γ, 1/2, 2) with γ = ``nudge``. A count above k raises
       t, a count below lowers it; the +1 keeps an empty selection from collapsing t to 0, and the
       clip bounds one step's change to a factor of two.
@@ -182,14 +193,33 @@ class ThresholdSelector(Selector):
     def max_count(self, k: int) -> int:
         return int(math.ceil(int(k) * (1.0 + self.slack)))
 
-    def _exact(self, x, k, st):
-        idx, vals = K.topk_abs(x, k)
+    def _exact(self, x, k, st, above=None):
+        """The exact top-k of x, and t set to its k-th largest |x|. ``above``: (indices, values)
+        of every entry of x at or above some threshold, more than k of them: the top-k is
+        among them (in ascending index order, so ties break alike), selected in O(len)."""
+        if above is None:
+            idx, vals = K.topk_abs(x, k)
+        else:
+            rel, vals = K.topk_abs(above[1], k)
+            idx = A.take(above[0], rel)
         # The k-th largest |x| is the smallest of the k selected (the same total order): an
         # O(k) selection instead of a second pass over x.
         st[0] = float(K.kth_largest_abs(vals, k))
         return idx, vals
 
-    def select(self, x, k, key=0):
+    def planned(self, n: int, k: int, key=0):
+        st = self._keys.get(key)
+        if st is None or st[2] != k or st[3] != n or k == 0:
+            return None
+        t = st[0]
+        if k == n or st[1] % self.interval == 0 or not (math.isfinite(t) and t > 0):
+            return None
+        return t
+
+    def select(self, x, k, key=0, above=None):
+        """As :meth:`Selector.select`; ``above``: the (indices, values) of
+        ``select_above(x, planned(len(x), k, key))``, computed by the caller, used instead of
+        selecting them here (ignored on a call that is exact)."""
         x, k = _check_x_k(x, k)
         n = x.shape[0]
         st = self._keys.get(key)
@@ -202,10 +232,10 @@ class ThresholdSelector(Selector):
         t = st[0]
         if k == n or calls % self.interval == 0 or not (math.isfinite(t) and t > 0):
             return self._exact(x, k, st)
-        idx, vals = K.select_above(x, t)
+        idx, vals = K.select_above(x, t) if above is None else above
         c = idx.shape[0]
         if c > self.max_count(k):
-            return self._exact(x, k, st)
+            return self._exact(x, k, st, above=(idx, vals))
         factor = ((c + 1) / (k + 1)) ** self.nudge
         st[0] = t * min(2.0, max(0.5, factor))
         return idx, vals

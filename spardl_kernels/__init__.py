@@ -1,10 +1,11 @@
 """spardl_kernels: the compute kernels of sparse gradient communication (docs/design.md §3).
 
-Thirteen functions on 1-D arrays: selection by magnitude (``topk_abs``, ``kth_largest_abs``,
+Fourteen functions on 1-D arrays: selection by magnitude (``topk_abs``, ``kth_largest_abs``,
 ``select_above``, ``count_above``, ``estimate_threshold``), sparse-vector arithmetic
 (``merge_add``, ``coalesce``, ``scatter_add``, ``gather``), block boundaries
 (``uniform_bounds``, ``balanced_bounds``, ``block_offsets``), and the first pass of an
-error-feedback step: X = g + E fused with the top-k of blocks of X (``accumulate_topk``). CPU
+error-feedback step: X = g + E fused with the top-k of blocks of X (``accumulate_topk``) or
+with a threshold selection of X (``accumulate_above``). CPU
 arrays (NumPy, or anything NumPy views without copying) run the Numba kernels of
 :mod:`spardl_kernels.cpu`; GPU arrays (``__cuda_array_interface__``) run their twins in
 :mod:`spardl_kernels.cuda` (:mod:`spardl_kernels.devices` says which arrays those are).
@@ -27,6 +28,7 @@ block_offsets = _public("block_offsets", ("indices", "bounds"))
 scatter_add = _public("scatter_add", ("dense", "indices", "values"))
 gather = _public("gather", ("dense", "indices"))
 accumulate_topk = _public("accumulate_topk", ("g", "e", "ks", "bounds", "out"))
+accumulate_above = _public("accumulate_above", ("g", "e", "out"))
 
 __all__ = [
     "topk_abs",
@@ -42,4 +44,5 @@ __all__ = [
     "scatter_add",
     "gather",
     "accumulate_topk",
+    "accumulate_above",
 ]

@@ -25,6 +25,7 @@ KERNEL_NAMES = (
     "scatter_add",
     "gather",
     "accumulate_topk",
+    "accumulate_above",
 )
 
 

@@ -196,9 +196,16 @@ def check_blocks(ks, bounds, n):
 
 
 def check_accumulate(g_dtype, e_dtype, e_length, n, ks, bounds):
-    """The arguments of ``accumulate_topk`` but ``out``: e in g's work dtype (float32 for a
-    float16 g, else g's own) and of g's length n, then :func:`check_blocks`. Returns
-    (work dtype, ks, bounds)."""
+    """The arguments of ``accumulate_topk`` but ``out``: :func:`check_accumulated`, then
+    :func:`check_blocks`. Returns (work dtype, ks, bounds)."""
+    work = check_accumulated(g_dtype, e_dtype, e_length, n)
+    ks, bounds = check_blocks(ks, bounds, n)
+    return work, ks, bounds
+
+
+def check_accumulated(g_dtype, e_dtype, e_length, n):
+    """g and e of ``accumulate_topk`` / ``accumulate_above``: e in g's work dtype (float32 for a
+    float16 g, else g's own) and of g's length n. Returns the work dtype."""
     g_dtype, e_dtype = np.dtype(g_dtype), np.dtype(e_dtype)
     work = np.dtype(np.float32) if g_dtype == np.float16 else g_dtype
     require(
@@ -208,8 +215,7 @@ def check_accumulate(g_dtype, e_dtype, e_length, n, ks, bounds):
         TypeError,
     )
     check_same_length("e", e_length, "g", n)
-    ks, bounds = check_blocks(ks, bounds, n)
-    return work, ks, bounds
+    return work
 
 
 def check_accumulate_out(shape, dtype, n, work, writeable, overlaps):

@@ -391,6 +391,15 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
     )
 
 
+def accumulate_above(g, e, threshold, *, out=None):
+    x = canonicalize(np.asarray(g).astype(e.dtype) + e)
+    if out is not None:
+        out[:] = x
+        x = out
+    idx, vals = select_above(x, threshold)
+    return x, idx, vals
+
+
 def divide_max_abs(x, s, out):
     """``spardl_kernels.cpu.arrays.divide_max_abs``: out = x / s, NaN canonical; the largest
     |quotient|, inf when one is not finite."""

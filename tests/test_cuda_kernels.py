@@ -561,7 +561,7 @@ def test_bad_input_raises_like_the_cpu(name, args, kwargs):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_namespace_is_the_thirteen_kernels():
+def test_namespace_is_the_fourteen_kernels():
     assert sorted(gpu.__all__) == sorted(cpu.__all__)
     for name in gpu.__all__:
         assert callable(getattr(gpu, name)) and "Parameters" in getattr(gpu, name).__doc__
@@ -828,3 +828,28 @@ def test_dense_passes_nan_bits_cpu_equals_gpu(data, dtype):
         device_ops.divide_max_abs(dev(x), 0)
     with pytest.raises(ValueError, match="^out: length"):
         device_ops.divide_max_abs(dev(x), 2, out=dev(np.ones(len(x) + 1, dtype)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 1e-40, np.nan, np.inf])
+def test_accumulate_above_matches_naive_and_cpu(dtype, threshold):
+    g = nasty(dtype, seed=6)
+    work = np.float32 if dtype == np.float16 else dtype
+    e = (np.random.default_rng(7).standard_normal(g.shape[0]) * 0.1).astype(work)
+    out = cuda.device_array(g.shape[0], work)
+    x, i, v = gpu.accumulate_above(dev(g), dev(e), threshold, out=out)
+    assert x is out
+    for want in (naive.accumulate_above(g, e, threshold), cpu.accumulate_above(g, e, threshold)):
+        _same_values(host(x), want[0])
+        assert_bits_equal(host(i), want[1])
+        _same_values(host(v), want[2])
+
+
+def test_accumulate_above_errors_match_the_cpu():
+    g = np.arange(6, dtype=np.float32)
+    for args in ((g, g.astype(np.float64), 1.0), (g, g[:5], 1.0), (g, g, "1")):
+        with pytest.raises((TypeError, ValueError)) as cpu_err:
+            cpu.accumulate_above(*args)
+        with pytest.raises(cpu_err.type) as gpu_err:
+            gpu.accumulate_above(dev(args[0]), dev(args[1]), args[2])
+        assert str(gpu_err.value) == str(cpu_err.value)

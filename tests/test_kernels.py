@@ -744,11 +744,22 @@ def test_layer_cast_and_canonicalize_nan_bits(data, dtype):
     dtype=st.sampled_from([np.float32, np.float64]),
     n=st.integers(1, 300),
     ascending=st.booleans(),
+    bitmap=st.booleans(),
 )
-def test_member_passes_match_numpy(data, dtype, n, ascending):
+def test_member_passes_match_numpy(data, dtype, n, ascending, bitmap):
     """``zero_members``, ``set_outside`` and ``sub_members`` (the layer's undo-log passes)
     against NumPy's set membership, for ascending and shuffled positions (the merge path and
-    the restarting one), with NaN payloads written as the canonical NaN."""
+    the restarting one, and the bitmap path that large member sets take), with NaN payloads
+    written as the canonical NaN."""
+    saved = host_arrays.BITMAP_MIN_MEMBERS
+    host_arrays.BITMAP_MIN_MEMBERS = 0 if bitmap else 1 << 62
+    try:
+        _member_passes_match_numpy(data, dtype, n, ascending)
+    finally:
+        host_arrays.BITMAP_MIN_MEMBERS = saved
+
+
+def _member_passes_match_numpy(data, dtype, n, ascending):
     pick = st.lists(st.integers(0, n - 1), unique=True, max_size=n)
     idx = np.array(sorted(data.draw(pick)), dtype=np.int64)
     if not ascending:
@@ -907,3 +918,83 @@ def test_set_outside_log_rejects_bad_arguments_naming_them():
         with pytest.raises(exc, match=match):
             host_arrays.set_outside_log(s, log, mem)
     assert not np.any(s)  # nothing written by a call that raised
+
+
+def test_member_passes_bitmap_ignores_members_outside_the_vector():
+    """Members outside [0, n) match no position, in the bitmap path as in the merge path."""
+    members = np.array([-3, 2, 9, 100], np.int64)
+    idx = np.array([9, 0, 2, 5], np.int64)
+    vals = np.arange(1, 5, dtype=np.float32)
+    got = {}
+    saved = host_arrays.BITMAP_MIN_MEMBERS
+    try:
+        for limit in (0, 1 << 62):
+            host_arrays.BITMAP_MIN_MEMBERS = limit
+            got[limit] = host_arrays.set_outside(np.zeros(10, np.float32), idx, vals, members)
+    finally:
+        host_arrays.BITMAP_MIN_MEMBERS = saved
+    assert_same_bits(got[0], got[1 << 62])
+    np.testing.assert_array_equal(np.flatnonzero(got[0]), [0, 5])
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulate_above: X = g + E and select_above(X, threshold) in one pass
+# ---------------------------------------------------------------------------------------------
+
+THRESHOLDS = st.one_of(
+    st.sampled_from([0.0, -1.0, 0.5, 1.0, 3.0, np.inf, np.nan, 1e-40, 1e-310]),
+    st.floats(min_value=0.0, max_value=1e3, allow_nan=False),
+)
+
+
+@SETTINGS
+@given(x=vectors(), data=st.data(), threshold=THRESHOLDS)
+def test_accumulate_above(x, data, threshold):
+    """Against NumPy's sum then its select_above: every dtype, thresholds from 0 (all) to
+    NaN (only NaN), subnormal ones (the integer test), and a room so small that the selection
+    spills over and is redone from the finished X."""
+    n = x.shape[0]
+    work = np.float32 if x.dtype == np.float16 else x.dtype
+    with np.errstate(all="ignore"):
+        e = data.draw(st.sampled_from([0.0, 0.5, -1e-3])) * x[::-1].astype(work)
+    out = np.empty(n, work) if data.draw(st.booleans()) else None
+    saved = config.SELECT_INITIAL_FRACTION, config.SELECT_CHUNK
+    if data.draw(st.booleans()):
+        config.SELECT_INITIAL_FRACTION, config.SELECT_CHUNK = 0.0, 1
+    try:
+        got = sk.accumulate_above(x, e, threshold, out=out)
+    finally:
+        config.SELECT_INITIAL_FRACTION, config.SELECT_CHUNK = saved
+    with np.errstate(all="ignore"):
+        ref = naive.accumulate_above(x, e, threshold)
+    for a, b in zip(got, ref, strict=True):
+        same_bits(a, b)
+    assert got[1].dtype == np.int64
+    if out is not None:
+        assert got[0] is out
+
+
+@SETTINGS
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), threshold=THRESHOLDS)
+def test_accumulate_above_nan_bits(data, dtype, threshold):
+    n = data.draw(st.integers(0, 140))
+    work = np.float32 if dtype == np.float16 else dtype
+    g, e = nan_mix(data, dtype, n), nan_mix(data, work, n)
+    got = sk.accumulate_above(g, e, threshold)
+    with np.errstate(all="ignore"):
+        want = naive.accumulate_above(g, e, threshold)
+    for a, b in zip(got, want, strict=True):
+        assert_same_bits(a, b)
+
+
+def test_accumulate_above_rejects_bad_arguments_naming_them():
+    g = np.arange(6, dtype=np.float32)
+    for args, kwargs, exc, match in (
+        ((g, g.astype(np.float64), 1.0), {}, TypeError, "^e: dtype"),
+        ((g, g[:5], 1.0), {}, ValueError, "^e: "),
+        ((g, g, "1"), {}, TypeError, "^threshold"),
+        ((g, g, 1.0), {"out": g}, ValueError, "^out"),
+        ((g, g, 1.0), {"out": np.empty(6)}, ValueError, "^out"),
+    ):
+        with pytest.raises(exc, match=match):
+            sk.accumulate_above(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""The public surfaces: spardl_kernels is exactly the thirteen kernels of docs/design.md §3, and
+"""The public surfaces: spardl_kernels is exactly the fourteen kernels of docs/design.md §3, and
 ``spardl.__all__`` is exactly the names docs/design.md §6 documents."""
 
 import sys
@@ -24,6 +24,7 @@ KERNELS = [
     "scatter_add",
     "gather",
     "accumulate_topk",
+    "accumulate_above",
 ]
 
 

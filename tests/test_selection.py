@@ -200,3 +200,31 @@ def test_select_argument_errors():
             sel.select(np.zeros((2, 2)), 1)
         with pytest.raises(TypeError, match="k"):
             sel.select(np.zeros(3), 1.0)
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(20, 400),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+)
+def test_threshold_fallback_selects_from_what_passed_exactly(seed, n, dtype):
+    """When a reused threshold passes more than max_count entries, the exact top-k is taken from
+    those entries: bit for bit ``topk_abs(x, k)``, ties to the lower index and NaN first, and the
+    new threshold its k-th largest magnitude."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, max(2, n // 5)))
+    sel = ThresholdSelector(interval=100, slack=0.0)
+    first = rng.standard_normal(n).astype(dtype)
+    sel.select(first, k, key=0)  # exact: t = the k-th largest |first|
+    # every entry at or above the old threshold, with ties, NaN and infinities among them
+    x = (rng.integers(1, 4, n) * float(np.abs(first).max() + 1)).astype(dtype)
+    x[rng.random(n) < 0.1] = np.nan
+    x[rng.random(n) < 0.05] = -np.inf
+    idx, vals = sel.select(x, k, key=0)
+    want_i, want_v = naive.topk_abs(x, k)
+    np.testing.assert_array_equal(idx, want_i)
+    assert vals.tobytes() == want_v.tobytes()
+    t = sel.state_dict()["keys"][0][1][0]
+    want_t = float(naive.kth_largest_abs(x, k))
+    assert t == want_t or (math.isnan(t) and math.isnan(want_t))

@@ -27,7 +27,7 @@ from ..comm import WIRES, Comm, name_hash
 from ..dtypes import work_dtype as _work_dtype
 from ..result import SparseResult
 
-__all__ = ["Allreducer", "Reduced", "NonFiniteError", "budget"]
+__all__ = ["Allreducer", "Reduced", "NonFiniteError", "Above", "budget"]
 
 VALUE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 SIGNATURE_LEN = 7
@@ -71,6 +71,16 @@ class Reduced:
     indices: np.ndarray
     values: np.ndarray
     residual: np.ndarray
+
+
+@dataclass(frozen=True)
+class Above:
+    """A first selection by threshold (:meth:`Allreducer._first_selection`): every entry of X
+    with |x_i| >= ``threshold``, made in the X = g + E pass
+    (:func:`spardl_kernels.accumulate_above`) and handed out by
+    :meth:`Allreducer._preselected_above`."""
+
+    threshold: float
 
 
 def _dtype_code(dtype) -> int:
@@ -444,9 +454,10 @@ class Allreducer:
 
     def _first_selection(self):
         """The selection a step makes first, from X as it is: (ks, bounds), the budget of each
-        block [bounds[b], bounds[b+1]) (0: none), or None. Exact top-k selections only: the base
-        computes them with X itself (:func:`spardl_kernels.accumulate_topk`) and
-        :meth:`_preselected` hands them to :meth:`_reduce`."""
+        block [bounds[b], bounds[b+1]) (0: none), an :class:`Above` threshold, or None. The base
+        computes it with X itself (:func:`spardl_kernels.accumulate_topk`,
+        :func:`spardl_kernels.accumulate_above`) and :meth:`_preselected` /
+        :meth:`_preselected_above` hand it to :meth:`_reduce`."""
         return None
 
     def _accumulate_selecting(self, g, spare, ks, bounds):
@@ -459,6 +470,15 @@ class Allreducer:
             if ks[b] > 0
         }
         return x
+
+    def _preselected_above(self, threshold):
+        """The entries of X at or above ``threshold`` from the accumulating pass (an
+        :class:`Above` first selection), or None when this step did not select them there (or
+        with another threshold). Handed out once."""
+        pre = self._pre.pop("above", None) if self._pre else None
+        if pre is None or pre[0] != threshold:
+            return None
+        return pre[1], pre[2]
 
     def _preselected(self, b, k):
         """The top-k of block b of X from the accumulating pass, or None when this step did not
@@ -546,6 +566,12 @@ class Allreducer:
         plan = self._first_selection() if self.device_resident or not device else None
         if plan is None:
             return A.accumulate(g, self._residual, out=spare)
+        if isinstance(plan, Above):
+            x, idx, vals = K.accumulate_above(
+                g, self._residual, plan.threshold, out=None if device else spare
+            )
+            self._pre = {"above": (plan.threshold, idx, vals)}
+            return x
         # The step's first selection rides on the same pass (K.accumulate_topk).
         return self._accumulate_selecting(g, spare, *plan)
 

@@ -28,7 +28,7 @@ from .. import _arrays as A
 from .._checks import check_int
 from ..comm import pack_blocks, pack_wire, unpack_blocks, unpack_wire, wire_index_dtype
 from ..selection import make_selector
-from .base import Allreducer, Reduced
+from .base import Above, Allreducer, Reduced
 from .common import keep_remainder
 
 __all__ = ["OkTopk"]
@@ -157,11 +157,14 @@ class OkTopk(Allreducer):
 
     # -- Algorithm 1 ------------------------------------------------------------------------
     def _first_selection(self):
-        # With the exact selector the local top-k rides on the X = g + E pass; the threshold
-        # selector's pass needs its threshold and count check (selection.py), so it stays apart.
-        if self.selector.kind != "exact" or self.k == self.n:
+        # The local top-k rides on the X = g + E pass: exactly with the exact selector; with
+        # the threshold selector, the entries above the threshold it will reuse this step.
+        if self.k == self.n:
             return None
-        return np.array([self.k]), np.array([0, self.n])
+        if self.selector.kind == "exact":
+            return np.array([self.k]), np.array([0, self.n])
+        t = self.selector.planned(self.n, self.k)
+        return None if t is None else Above(t)
 
     def _reduce(self, x: np.ndarray) -> Reduced:
         """One step of Algorithm 1, its lines in order (the method of each says which)."""
@@ -197,7 +200,11 @@ class OkTopk(Allreducer):
             # Density 1 drops nothing: no reused threshold may leave an entry out.
             return A.arange(self.n, A.is_device(x)), A.copy(x)
         pre = self._preselected(0, self.k)  # the exact top-k made while accumulating X
-        return pre if pre is not None else self.selector.select(x, self.k)
+        if pre is not None:
+            return pre
+        t = self.selector.planned(self.n, self.k)
+        above = None if t is None else self._preselected_above(t)  # made while accumulating
+        return self.selector.select(x, self.k, above=above)
 
     def _global_threshold_of_step(self, red_val) -> float:
         """Algorithm 1, lines 8-10: the global threshold, re-evaluated on the reduced regions

@@ -1,9 +1,9 @@
 """Numba ``@njit`` CPU kernels of the kernel contract (docs/design.md §3).
 
-Same thirteen names as ``spardl_kernels.cuda``; ``spardl_kernels`` dispatches between them.
+Same fourteen names as ``spardl_kernels.cuda``; ``spardl_kernels`` dispatches between them.
 """
 
-from .accumulate import accumulate_topk
+from .accumulate import accumulate_above, accumulate_topk
 from .bounds import balanced_bounds, block_offsets, uniform_bounds
 from .select import count_above, estimate_threshold, kth_largest_abs, select_above, topk_abs
 from .sparse import coalesce, gather, merge_add, scatter_add
@@ -22,4 +22,5 @@ __all__ = [
     "scatter_add",
     "gather",
     "accumulate_topk",
+    "accumulate_above",
 ]

@@ -1,4 +1,5 @@
-"""Accumulate and select in one pass: X = g + E and the top-k of chosen blocks of X (CPU).
+"""Accumulate and select in one pass: X = g + E and the top-k of chosen blocks of X, or every
+entry of X above a threshold (CPU).
 
 Error feedback (docs/design.md §4) starts every step with X = g + E over the whole gradient and
 then selects the top-k of X (or of blocks of it). Done apart, that is three streams of n values
@@ -8,20 +9,28 @@ pass collecting the keys inside and above it) runs inside the summing loop, on e
 sums while they are still in registers and cache. The bracket is sampled from g + E at the
 sample positions before the pass; if it missed (rare, and verified exactly), the block is
 selected again from the finished X, so the result never depends on the sample.
+
+:func:`accumulate_above` does the same for a threshold selection (a threshold reused between
+exact top-k, as Ok-Topk's): the entries of X at or above it are collected 64 sums at a time in
+the summing loop.
 """
 
 import numpy as np
 from numba import njit
 
 from .. import _validate, config
+from .._contract import threshold_key
 from ._common import JIT, as_values, canonical, key_view
 from .select import (
     _bracket,
     _digits,
     _float_args,
     _float_test,
+    _hit_mask,
     _key,
+    _low_bit,
     _sample_position,
+    _select_ge,
     _topk_into,
     _window_buffers,
     _window_finish,
@@ -174,3 +183,110 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
             _topk_into(xb[lo_b:hi_b], k, mask, nan_key, work, sel_i, sel_v)
             sel_i += lo_b
     return x, indices, values
+
+
+@njit(**JIT)
+def _sum_above(g, e, x, bits, K, mask, t, usable, idx, vals):
+    """x = g + e (a NaN sum canonical) and, in the same loop, every (i, bits[i]) with
+    key(x_i) >= K into idx, vals (their length is the room); returns the number of such
+    entries, which may exceed the room (then only the first ones are written). The key test is
+    the float compare ``not (|x_i| < t)`` with ``usable`` (see select.py's ``_float_test``),
+    else the integer one; each hit is filed without a branch into one slot more than the room
+    holds."""
+    n = g.shape[0]
+    room = idx.shape[0] - 1
+    K_t = bits.dtype.type(K)
+    mask_t = bits.dtype.type(mask)
+    c = 0
+    full = n // 64
+    for b in range(full + 1):
+        s = b * 64
+        stop = s + 64 if b < full else n
+        m = np.uint64(0)
+        if usable:
+            for l in range(stop - s):
+                v = canonical(g[s + l] + e[s + l])
+                x[s + l] = v
+                m |= np.uint64(not (abs(v) < t)) << np.uint64(l)
+        else:
+            for l in range(stop - s):
+                x[s + l] = canonical(g[s + l] + e[s + l])
+            m = _hit_mask(bits, s, stop, K_t, mask_t)
+        while m:
+            l, m = _low_bit(m)
+            j = min(c, room)
+            idx[j] = s + l
+            vals[j] = bits[s + l]
+            c += 1
+    return c
+
+
+def accumulate_above(g, e, threshold, *, out=None):
+    """X = g + E, and every entry of X with |x_i| >= threshold, in one pass over the gradient.
+
+    Parameters
+    ----------
+    g : ndarray of shape (n,), float16, float32 or float64
+        The gradient (anything NumPy views without copying).
+    e : ndarray of shape (n,)
+        The residual, in g's work dtype: float32 for a float16 g, else g's dtype.
+    threshold : float
+        Compared with |x_i| as a float64 number, as :func:`select_above` compares it: NaN
+        entries count as above every threshold, a NaN threshold selects the NaN entries only,
+        threshold <= 0 selects all.
+    out : ndarray of shape (n,), e.dtype, optional
+        Where X is written (sharing no memory with g or e); a new array when None.
+
+    Returns
+    -------
+    x : ndarray of shape (n,), e.dtype
+        g converted exactly to e.dtype, plus e (one rounding per entry); a NaN sum is the
+        canonical NaN (docs/design.md §3.4).
+    indices : int64 ndarray of shape (m,)
+        Ascending positions of the selected entries of x.
+    values : ndarray of shape (m,), e.dtype
+        ``x[indices]``, bit for bit.
+
+    Raises
+    ------
+    TypeError
+        g or e not float16/32/64, or e's dtype not g's work dtype; threshold not a real number.
+    ValueError
+        g or e not 1-D, lengths differ; out of another shape or dtype, or sharing memory with g
+        or e.
+
+    Notes
+    -----
+    The same result as ``x = g.astype(e.dtype) + e`` (a NaN made canonical) followed by
+    ``select_above(x, threshold)``, bit for bit (docs/design.md §3). The entries are collected
+    while each block of 64 sums is in cache, into room for ``config.SELECT_INITIAL_FRACTION``
+    of n; if more pass, they are selected from the finished X by :func:`select_above`'s own
+    path (one more read of X). Float16 gradients are summed first, then selected.
+    """
+    g = as_values("g", g)
+    e = as_values("e", e)
+    n = g.shape[0]
+    t = _validate.check_threshold(threshold)
+    work = _validate.check_accumulated(g.dtype, e.dtype, e.shape[0], n)
+    if out is None:
+        x = np.empty(n, work)
+    else:
+        x = as_values("out", out)
+        overlaps = np.shares_memory(x, g) or np.shares_memory(x, e)
+        _validate.check_accumulate_out(x.shape, x.dtype, n, work, x.flags.writeable, overlaps)
+    xb, mask, _, _ = key_view(x)
+    K = threshold_key(t, work)
+    if g.dtype != work:  # float16: no fused path (Numba has no float16 on the CPU)
+        _add_widened(g, e, x)
+        idx, vb = _select_ge(xb, K, mask, np.dtype(np.int64))
+        return x, idx, vb.view(work)
+    _, normal_key, inf_key = _float_args(xb, work)
+    tf, usable = _float_test(K, xb, x, normal_key, inf_key)
+    room = int(min(n, n * config.SELECT_INITIAL_FRACTION + config.SELECT_CHUNK))
+    idx = np.empty(room + 1, np.int64)
+    vb = np.empty(room + 1, xb.dtype)
+    c = int(_sum_above(g, e, x, xb, K, mask, tf, usable, idx, vb))
+    if c > room:  # more than the room: select from the finished X
+        idx, vb = _select_ge(xb, K, mask, np.dtype(np.int64))
+        return x, idx, vb.view(work)
+    return x, idx[:c].copy(), vb[:c].view(work).copy()

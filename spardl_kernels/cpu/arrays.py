@@ -1,4 +1,4 @@
-"""Host array passes besides the thirteen kernels, for code built on them (``spardl``'s
+"""Host array passes besides the fourteen kernels, for code built on them (``spardl``'s
 collective layer): the fused division and magnitude bound that start a dense allreduce, the
 non-finite count that checks its sums when the bound cannot, and the casts and NaN rewriting
 whose bits must equal the device's.
@@ -117,6 +117,29 @@ def _descents(a):
     return c
 
 
+@njit(**JIT)
+def _marked_pass(idx, bits, want, s, vals, mode):
+    # _member_scan's passes with membership read from a bitmap of s's positions (_mark)
+    one = np.uint64(1)
+    for j in range(idx.shape[0]):
+        v = idx[j]
+        hit = ((bits[v >> 6] >> np.uint64(v & 63)) & one) == one
+        if hit != want:
+            continue
+        if mode == 0:
+            s[v] = 0
+        elif mode == 1:
+            s[v] = vals[j]
+        else:
+            s[v] = canonical(s[v] + (-vals[j]))
+
+
+#: From this many members on, the member passes mark them in a bitmap of n bits and look each
+#: position up, instead of merging against them (250 000 against 250 000 at n = 25 M: 6.4 ms
+#: merged, about 1.5 marked).
+BITMAP_MIN_MEMBERS = 4096
+
+
 def _positions(name, a):
     a = as_array(a, name)
     if a.ndim != 1:
@@ -144,8 +167,20 @@ def _member_pass(s, idx, vals, members, want, mode):
                 f"vals: expected shape {idx.shape} and dtype {s.dtype}, "
                 f"got {vals.shape} {vals.dtype}"
             )
-    if idx.shape[0]:
+    if not idx.shape[0]:
+        return s
+    if members.shape[0] < BITMAP_MIN_MEMBERS:
         _member_scan(idx, members, want, s, vals, mode)
+        return s
+    if _outside(members, s.shape[0]):  # outside [0, n): no position can be one
+        members = members[(members >= 0) & (members < s.shape[0])]
+    bits = scratch("members bitmap", (s.shape[0] + 63) // 64, np.uint64, zero=True)
+    members = members.astype(np.int64, copy=False)
+    _mark(bits, members, True)
+    try:
+        _marked_pass(idx.astype(np.int64, copy=False), bits, want, s, vals, mode)
+    finally:
+        _mark(bits, members, False)  # the scratch bitmap is all zero between calls
     return s
 
 

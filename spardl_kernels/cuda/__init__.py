@@ -1,4 +1,4 @@
-"""numba-cuda twins of the CPU kernels (docs/design.md §3): the same thirteen names and signatures,
+"""numba-cuda twins of the CPU kernels (docs/design.md §3): the same fourteen names and signatures,
 the same results bit for bit.
 
 Inputs are device arrays: anything exposing ``__cuda_array_interface__`` (torch CUDA tensors,
@@ -20,7 +20,7 @@ if not _cuda.is_available():
         "False); set NUMBA_ENABLE_CUDASIM=1 before importing numba to use the CUDA simulator"
     )
 
-from .accumulate import accumulate_topk  # noqa: E402
+from .accumulate import accumulate_above, accumulate_topk  # noqa: E402
 from .bounds import balanced_bounds, block_offsets, uniform_bounds  # noqa: E402
 from .select import (  # noqa: E402
     count_above,
@@ -45,4 +45,5 @@ __all__ = [
     "scatter_add",
     "gather",
     "accumulate_topk",
+    "accumulate_above",
 ]

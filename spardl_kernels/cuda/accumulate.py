@@ -1,4 +1,5 @@
-"""``accumulate_topk`` on the GPU: X = g + E, then the top-k of each chosen block of X.
+"""``accumulate_topk`` and ``accumulate_above`` on the GPU: X = g + E, then the top-k of each
+chosen block of X, or every entry of X above a threshold.
 
 The twin of :mod:`spardl_kernels.cpu.accumulate` with the same signature and the same result bit
 for bit. On the GPU the sum is one elementwise kernel (memory bound, a read of g and E and a
@@ -12,7 +13,7 @@ from numba import cuda, int64
 
 from .. import _validate
 from . import _common as C
-from .select import topk_abs
+from .select import select_above, topk_abs
 
 
 @cuda.jit
@@ -111,3 +112,39 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
         C.launch(_place, k)(idx, vals, int64(lo), indices[o : o + k], values[o : o + k])
         o += k
     return x, indices, values
+
+
+def accumulate_above(g, e, threshold, *, out=None):
+    """X = g + E, and every entry of X with |x_i| >= threshold, on the GPU.
+
+    The twin of :func:`spardl_kernels.cpu.accumulate_above` (the same arguments, errors and
+    bits): the summing kernel of :func:`accumulate_topk`, then
+    :func:`spardl_kernels.cuda.select.select_above` of X (two kernels, where the CPU fuses them
+    to read X once through its cache).
+
+    Parameters
+    ----------
+    g : device array of shape (n,), float16, float32 or float64
+    e : device array of shape (n,), g's work dtype
+    threshold : float
+    out : device array of shape (n,), e.dtype, optional
+
+    Returns
+    -------
+    x : Numba device array of shape (n,), e.dtype
+    indices : Numba device array of int64, ascending
+    values : Numba device array, e.dtype
+        ``x[indices]``, bit for bit.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As the CPU function, with the same messages.
+    """
+    g = C.as_values("g", g)
+    e = C.as_values("e", e)
+    n = g.shape[0]
+    t = _validate.check_threshold(threshold)
+    x, _, _ = accumulate_topk(g, e, np.zeros(1, np.int64), np.array([0, n], np.int64), out=out)
+    idx, vals = select_above(x, t)
+    return x, idx, vals

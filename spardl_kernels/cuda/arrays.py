@@ -1,4 +1,4 @@
-"""Device array operations besides the thirteen kernels, for code built on them (``spardl``'s
+"""Device array operations besides the fourteen kernels, for code built on them (``spardl``'s
 collective layer, through ``spardl._arrays``): the few elementwise operations an allreducer does
 on its per-step buffers (X = g + E, setting and zeroing positions, index shifts, casts, packing).
 They are not kernels of the contract. Most have no CPU twin module: on the host they are one
