@@ -116,9 +116,13 @@ def _worker_measure(a) -> None:
     import spardl
     import spardl.trace
     from bench.allreduce import gradient
+    from spardl import pingpong
 
     comm = MPI.COMM_WORLD
     g = gradient(a.n, comm.rank, 0, np.float32)
+    # β with every rank sending at once (before the algorithms, a priori): across links whose
+    # ends share the cores it is not the two-node ping-pong's.
+    beta_ring = pingpong.ring_beta(comm) if comm.size > 1 else None
     rows = {}
     for alg in a.algorithms:
         opts = {} if alg == "dense" else {"density": a.density}
@@ -169,7 +173,7 @@ def _worker_measure(a) -> None:
                 "control_per_step": control / a.repeat,
             }
     if comm.rank == 0:
-        Path(a.out).write_text(json.dumps({"P": comm.size, "rows": rows}))
+        Path(a.out).write_text(json.dumps({"P": comm.size, "rows": rows, "beta_ring": beta_ring}))
 
 
 # -- driver ----------------------------------------------------------------------------------
@@ -195,7 +199,10 @@ def predict_rows(fit, measured, cores, links=False):
 
     With ``links`` (one rank per emulated node), each rank's messages cross its own shaped
     link: the wire time is not stretched by ranks sharing a core, only the local work is
-    (t_A = t_local + replay + control; t_B = s(P)·W_max + replay + control)."""
+    (t_A = t_local + replay + control; t_B = s(P)·W_max + replay + control), and β is the ring
+    exchange's that the P-node job measured before the algorithms (``pingpong.ring_beta``:
+    every node sending at once, as in the algorithms' rounds) where it recorded one; the
+    prediction with the two-node ping-pong's β is kept beside it (``rel_error_pingpong``)."""
     from spardl import cost_model
 
     out = []
@@ -208,10 +215,17 @@ def predict_rows(fit, measured, cores, links=False):
             control_s = (
                 r["control_per_step"] * cost_model.collective_rounds("allreduce", P) * fit["alpha"]
             )
-            comm_s = cost_model.replay(r["traces"], fit["alpha"], fit["beta"], fit["gamma"])
+            ring = measured[P].get("beta_ring") if links else None
+            beta = ring if ring else fit["beta"]
+            comm_s = cost_model.replay(r["traces"], fit["alpha"], beta, fit["gamma"])
             comm_s += control_s
+            comm_pp = comm_s
+            if ring:
+                comm_pp = control_s + cost_model.replay(
+                    r["traces"], fit["alpha"], fit["beta"], fit["gamma"]
+                )
             # (B): α-β only; the merges are inside the clocked local work, so no γ term here.
-            comm_ab = cost_model.replay(r["traces"], fit["alpha"], fit["beta"], 0.0) + control_s
+            comm_ab = cost_model.replay(r["traces"], fit["alpha"], beta, 0.0) + control_s
             s = float(math.ceil(P / cores))
             local = float(median(r["local_times"]))
             wire = 1.0 if links else s
@@ -229,6 +243,8 @@ def predict_rows(fit, measured, cores, links=False):
                 "comm_s": comm_s,
                 "oversubscription": s,
                 "rel_error": (pred - meas) / meas,
+                "beta": beta,
+                "rel_error_pingpong": (local + wire * comm_pp - meas) / meas,
                 "work_max_s": w_max,
                 "comm_ab_s": comm_ab,
                 "predicted_clocked_s": pred_b,
@@ -247,8 +263,8 @@ def _table(rows):
     lines = [
         "| algorithm | P | measured (ms) | (A) predicted (ms) | local (ms) | comm (ms) | s(P) "
         "| (A) error | W_max (ms) | α-β comm (ms) | MPI wall (ms) | (B) predicted (ms) "
-        "| (B) error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| (B) error | (A) error, ping-pong β |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["algorithm"], r["P"])):
         lines.append(
@@ -257,7 +273,8 @@ def _table(rows):
             f"{r['comm_s'] * 1e3:.2f} | {r['oversubscription']:.1f} | "
             f"{r['rel_error']:+.0%} | {r['work_max_s'] * 1e3:.1f} | "
             f"{r['comm_ab_s'] * 1e3:.2f} | {r['mpi_wall_s'] * 1e3:.1f} | "
-            f"{r['predicted_clocked_s'] * 1e3:.1f} | {r['rel_error_clocked']:+.0%} |"
+            f"{r['predicted_clocked_s'] * 1e3:.1f} | {r['rel_error_clocked']:+.0%} | "
+            f"{r.get('rel_error_pingpong', r['rel_error']):+.0%} |"
         )
     return "\n".join(lines)
 
@@ -382,6 +399,9 @@ def _print_report(a, fit, measured, rows, cores) -> None:
         f"# fit: alpha={fit['alpha']:.3e} s, beta={fit['beta']:.3e} s/B, "
         f"gamma={fit['gamma']:.3e} s/B; s(P) = ceil(P/{cores})"
     )
+    rings = sorted({r["beta"] for r in rows if r.get("beta") != fit["beta"]})
+    if rings:
+        print(f"# beta of the ring exchange on the P nodes: {rings[0]:.3e} s/B (used by (A), (B))")
     print(_table(rows))
     for line in summary(rows, fit):
         print(line)

@@ -3,6 +3,10 @@
 * α (s/message) and β (s/byte) from a ping-pong between ranks 0 and 1 (``spardl bench pingpong``
   under ``mpiexec -n 2``): for sizes 8 B … 4 MiB, the one-way time t(s) = round trip / 2 (median
   of the repeats), then a least-squares fit t(s) ≈ α + β·s.
+* β under load (s/byte) from a ring exchange (:func:`ring_beta`): every rank sends a large
+  message to the next rank and receives one from the previous, all at once, as the collectives'
+  rounds do; across links whose ends share CPUs (or a switch) this is the rate each rank gets
+  when all of them send, which a two-rank ping-pong does not see.
 * γ (s/byte merged) from the merge kernel: the time of ``merge_add`` of two sparse vectors per
   byte of (int32 index, float32 value) pairs that go in (every byte that arrives in a sparse
   allreduce is merged once; see :mod:`spardl.cost_model`).
@@ -19,7 +23,7 @@ import time
 
 import numpy as np
 
-__all__ = ["DEFAULT_SIZES", "pingpong", "fit_alpha_beta", "fit_gamma", "run"]
+__all__ = ["DEFAULT_SIZES", "pingpong", "ring_beta", "fit_alpha_beta", "fit_gamma", "run"]
 
 #: Message sizes in bytes: 8 B, 16 B, ..., 4 MiB.
 DEFAULT_SIZES = tuple(8 << i for i in range(20))
@@ -92,6 +96,61 @@ def _pingpong(c, sizes, repeat, warmup):
         out.append((size, t))
     # Rank 0 measured; every rank returns its numbers.
     return [(int(s), float(t)) for s, t in c.bcast_object(out, root=0)]
+
+
+def ring_beta(comm, size: int = 1 << 22, repeat: int = 5, warmup: int = 1) -> float:
+    """Seconds per byte of a ring exchange with every rank sending at once (collective).
+
+    Each rank r sends ``size`` bytes to rank r + 1 and receives as many from rank r − 1 (mod P)
+    in one ``Sendrecv``, after a barrier; the time of a round is the slowest rank's, and the
+    result is the median round time divided by ``size``. It prices the bytes of a step in which
+    all ranks exchange at once (an allreduce's rounds), where the links' ends share CPUs, a
+    bridge or a switch: :func:`pingpong` times one pair alone.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm or spardl.comm.Comm
+        At least 2 ranks.
+    size : int, default 4 MiB
+        Bytes each rank sends per round, ≥ 1.
+    repeat, warmup : int
+        Timed and untimed rounds (repeat ≥ 1, warmup ≥ 0).
+
+    Returns
+    -------
+    float
+        β in s/byte, identical on every rank.
+
+    Raises
+    ------
+    ValueError
+        If the communicator has fewer than 2 ranks, or size, repeat or warmup is out of range
+        (on every rank: the arguments are the same everywhere).
+    """
+    from .comm import Comm
+
+    if int(size) < 1 or int(repeat) < 1 or int(warmup) < 0:
+        raise ValueError(
+            f"size and repeat must be >= 1 and warmup >= 0, got {size}, {repeat}, {warmup}"
+        )
+    c = comm if isinstance(comm, Comm) else Comm(comm)
+    try:
+        if c.size < 2:
+            raise ValueError(f"ring_beta needs at least 2 ranks, got {c.size}")
+        buf = np.zeros(int(size), dtype=np.uint8)
+        right, left = (c.rank + 1) % c.size, (c.rank - 1) % c.size
+        times = []
+        for i in range(int(warmup) + int(repeat)):
+            c.barrier()
+            t0 = time.perf_counter()
+            c.sendrecv_bytes(buf, right, left, int(size))
+            dt = max(c.allgather_object(time.perf_counter() - t0))
+            if i >= warmup:
+                times.append(dt)
+        return float(np.median(times)) / int(size)
+    finally:
+        if c is not comm:
+            c.free()
 
 
 def fit_alpha_beta(sizes, seconds) -> tuple[float, float]:

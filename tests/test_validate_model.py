@@ -57,3 +57,21 @@ def test_summary_counts_rows_within_30_percent():
     assert "dense worst 90%" in lines[0]
     assert "(B) clocked work: sparse algorithms within ±30%: 1/2" in lines[1]
     assert "ping-pong" in lines[-1]
+
+
+def test_links_use_the_ring_beta_the_job_measured():
+    """Across links, (A) and (B) price the bytes with the P-node job's ring-exchange β; the
+    ping-pong β's (A) is kept beside it; over shared memory the ping-pong β stays."""
+    P, cores = 4, 2
+    m = _measured(P, [0.003] * P)
+    m["beta_ring"] = 1e-8
+    (row,) = vm.predict_rows(FIT, {P: m}, cores, links=True)
+    control = math.ceil(math.log2(P)) * 2 * FIT["alpha"]
+    assert row["beta"] == 1e-8
+    assert row["comm_s"] == pytest.approx(FIT["alpha"] + 1000 * (1e-8 + FIT["gamma"]) + control)
+    assert row["comm_ab_s"] == pytest.approx(FIT["alpha"] + 1000 * 1e-8 + control)
+    pp = FIT["alpha"] + 1000 * (FIT["beta"] + FIT["gamma"]) + control
+    assert row["rel_error_pingpong"] == pytest.approx((0.004 + pp - 0.02) / 0.02)
+    (shared,) = vm.predict_rows(FIT, {P: m}, cores, links=False)
+    assert shared["beta"] == FIT["beta"]
+    assert shared["rel_error_pingpong"] == shared["rel_error"]

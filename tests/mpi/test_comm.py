@@ -69,3 +69,24 @@ def test_mpi_clock_counts_the_calls_of_its_block(comm):
     assert idle == [0.0, 0.0, 0]
     sub.free()
     c.free()
+
+
+def test_ring_beta_is_one_positive_number_everywhere(comm):
+    """``spardl.pingpong.ring_beta``: a positive s/byte, the same on every rank (P >= 2); one
+    clear ValueError on every rank at P = 1 or with bad arguments; a Comm given is left usable."""
+    import pytest
+
+    from spardl.pingpong import ring_beta
+
+    c = Comm(comm)
+    if c.size == 1:
+        with pytest.raises(ValueError, match="at least 2 ranks"):
+            ring_beta(c, size=64)
+    else:
+        b = ring_beta(c, size=1 << 16, repeat=2)
+        assert b > 0 and c.allgather_object(b) == [b] * c.size
+    for kwargs in ({"size": 0}, {"repeat": 0}, {"warmup": -1}):
+        with pytest.raises(ValueError, match="size and repeat must be >= 1"):
+            ring_beta(c, **kwargs)
+    assert c.allreduce(np.ones(2)).tolist() == [c.size, c.size]
+    c.free()
