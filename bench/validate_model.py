@@ -38,6 +38,18 @@ Run from the repository root (it spawns its own ``mpiexec``)::
      one (it does not: the P-rank path packs, unpacks and merges, and it runs on fewer free
      cache and memory bandwidth).
 
+Across links (``--bandwidth``, one rank per emulated node) the wire time is not stretched by
+ranks sharing a core, and β is the ring exchange's that the P-node job measures before the
+algorithms (``spardl.pingpong.ring_beta``: every node sending at once, as the algorithms'
+rounds do, where the two-node ping-pong sees one link alone). Each job is also run over shared
+memory, and (A) then takes its local work from there, before any link:
+
+    t_A(P) = s(P) · W_max(shared memory) + replay(trace; α, β, 0) + control
+
+the P-rank code path's clocked work (packing, merging, the selections after receiving, which
+the P = 1 path of t_local lacks) plus the links from the model alone. The t_local form and the
+ping-pong β's prediction are printed beside it.
+
 Rank 0 of the driver prints one table: measured, predicted, relative error per (algorithm, P).
 """
 
@@ -194,7 +206,7 @@ def _parse_P(text):
     return out
 
 
-def predict_rows(fit, measured, cores, links=False):
+def predict_rows(fit, measured, cores, links=False, shared=None):
     """Rows of (algorithm, P, measured, predicted, error) from the fit and the measurements.
 
     With ``links`` (one rank per emulated node), each rank's messages cross its own shaped
@@ -202,7 +214,14 @@ def predict_rows(fit, measured, cores, links=False):
     (t_A = t_local + replay + control; t_B = s(P)·W_max + replay + control), and β is the ring
     exchange's that the P-node job measured before the algorithms (``pingpong.ring_beta``:
     every node sending at once, as in the algorithms' rounds) where it recorded one; the
-    prediction with the two-node ping-pong's β is kept beside it (``rel_error_pingpong``)."""
+    prediction with the two-node ping-pong's β is kept beside it (``rel_error_pingpong``).
+
+    ``shared``: the same jobs measured over shared memory (no links), {P: measurement}. Then the
+    a priori prediction (A) takes the local work from there, where nothing crosses a link:
+    t_A = s(P)·W_max(shared memory) + replay(trace; α, β) + control, the P-rank code path's own
+    clocked work (packing, merging, the selections after receiving, which the P = 1 path of
+    t_local does not have) and the links from the model alone; the COMM_SELF form is kept as
+    ``rel_error_self``."""
     from spardl import cost_model
 
     out = []
@@ -230,9 +249,12 @@ def predict_rows(fit, measured, cores, links=False):
             local = float(median(r["local_times"]))
             wire = 1.0 if links else s
             pred = local + wire * comm_s
-            steps = list(zip(*r["work"], strict=True))  # per step: every rank's work
-            w_max = float(median([max(w) for w in steps]))
+            w_max = _work_max(r)
             pred_b = s * w_max + wire * comm_ab
+            pred_self = pred
+            if shared is not None and alg in shared.get(P, {}).get("rows", {}):
+                w_shared = _work_max(shared[P]["rows"][alg])
+                pred = s * w_shared + wire * comm_ab
             meas = float(median(r["times"]))
             row = {
                 "algorithm": alg,
@@ -243,6 +265,7 @@ def predict_rows(fit, measured, cores, links=False):
                 "comm_s": comm_s,
                 "oversubscription": s,
                 "rel_error": (pred - meas) / meas,
+                "rel_error_self": (pred_self - meas) / meas,
                 "beta": beta,
                 "rel_error_pingpong": (local + wire * comm_pp - meas) / meas,
                 "work_max_s": w_max,
@@ -259,12 +282,18 @@ def predict_rows(fit, measured, cores, links=False):
     return out
 
 
+def _work_max(r) -> float:
+    """The median over steps of the largest rank's clocked local work (s)."""
+    steps = list(zip(*r["work"], strict=True))  # per step: every rank's work
+    return float(median([max(w) for w in steps]))
+
+
 def _table(rows):
     lines = [
         "| algorithm | P | measured (ms) | (A) predicted (ms) | local (ms) | comm (ms) | s(P) "
         "| (A) error | W_max (ms) | α-β comm (ms) | MPI wall (ms) | (B) predicted (ms) "
-        "| (B) error | (A) error, ping-pong β |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| (B) error | t_local form error | (A) error, ping-pong β |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["algorithm"], r["P"])):
         lines.append(
@@ -274,6 +303,7 @@ def _table(rows):
             f"{r['rel_error']:+.0%} | {r['work_max_s'] * 1e3:.1f} | "
             f"{r['comm_ab_s'] * 1e3:.2f} | {r['mpi_wall_s'] * 1e3:.1f} | "
             f"{r['predicted_clocked_s'] * 1e3:.1f} | {r['rel_error_clocked']:+.0%} | "
+            f"{r.get('rel_error_self', r['rel_error']):+.0%} | "
             f"{r.get('rel_error_pingpong', r['rel_error']):+.0%} |"
         )
     return "\n".join(lines)
@@ -378,13 +408,19 @@ def _measure(a, Ps):
             "--algorithms",
             ",".join(a.algorithms),
         ]
+        shared = {} if a.bandwidth else None
         for P in Ps:
             out = f"{tmp}/P{P}.json"
             bw = a.bandwidth if P > 1 else None  # P = 1 sends nothing: no link needed
             _spawn(P, [me, "--worker", "measure", "--worker-out", out, *common], a.timeout, bw)
             measured[P] = json.loads(Path(out).read_text())
             print(f"# measured P={P}", file=sys.stderr, flush=True)
-    return fit, measured
+            if shared is not None and P > 1:
+                # The same job over shared memory: the P-rank local work without the links.
+                _spawn(P, [me, "--worker", "measure", "--worker-out", out, *common], a.timeout)
+                shared[P] = json.loads(Path(out).read_text())
+                print(f"# measured P={P} over shared memory", file=sys.stderr, flush=True)
+    return fit, measured, shared
 
 
 def _print_report(a, fit, measured, rows, cores) -> None:
@@ -444,8 +480,8 @@ def main(argv=None):
         return _worker_measure(a)
     Ps = _world_sizes(ap, a)
     cores = _cores()
-    fit, measured = _measure(a, Ps)
-    rows = predict_rows(fit, measured, cores, links=a.bandwidth is not None)
+    fit, measured, shared = _measure(a, Ps)
+    rows = predict_rows(fit, measured, cores, links=a.bandwidth is not None, shared=shared)
     _print_report(a, fit, measured, rows, cores)
     if a.out:
         _write_json(a, fit, rows, cores)

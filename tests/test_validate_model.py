@@ -75,3 +75,18 @@ def test_links_use_the_ring_beta_the_job_measured():
     (shared,) = vm.predict_rows(FIT, {P: m}, cores, links=False)
     assert shared["beta"] == FIT["beta"]
     assert shared["rel_error_pingpong"] == shared["rel_error"]
+
+
+def test_links_take_the_local_work_from_the_shared_memory_run():
+    """With the shared-memory measurement, (A) is s(P)·W_max(shared memory) + the α-β replay
+    with the ring β + control; the t_local form is kept as rel_error_self."""
+    P, cores = 4, 2
+    links = _measured(P, [0.003] * P)
+    links["beta_ring"] = 1e-8
+    shared = _measured(P, [0.005, 0.006, 0.004, 0.002])
+    (row,) = vm.predict_rows(FIT, {P: links}, cores, links=True, shared={P: shared})
+    control = math.ceil(math.log2(P)) * 2 * FIT["alpha"]
+    ab = FIT["alpha"] + 1000 * 1e-8 + control
+    assert row["predicted_s"] == pytest.approx(2 * 0.006 + ab)
+    assert row["rel_error_self"] == pytest.approx((0.004 + row["comm_s"] - 0.02) / 0.02)
+    assert row["predicted_clocked_s"] == pytest.approx(2 * 0.003 + ab)
