@@ -82,6 +82,17 @@ def _sample_sums(g, e, start, stop, s, nan_key, mask, key_dtype):
     return keys
 
 
+def _output(out, g, e, n, work):
+    """Where X goes: ``out`` once checked (shape (n,), the work dtype, writeable, sharing no
+    memory with g or e), or a new array."""
+    if out is None:
+        return np.empty(n, work)
+    x = as_values("out", out)
+    overlaps = np.shares_memory(x, g) or np.shares_memory(x, e)
+    _validate.check_accumulate_out(x.shape, x.dtype, n, work, x.flags.writeable, overlaps)
+    return x
+
+
 def accumulate_topk(g, e, ks, bounds, *, out=None):
     """X = g + E, and the top-k of chosen blocks of X, in one pass over the gradient.
 
@@ -131,12 +142,7 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
     e = as_values("e", e)
     n = g.shape[0]
     work, ks, bounds = _validate.check_accumulate(g.dtype, e.dtype, e.shape[0], n, ks, bounds)
-    if out is None:
-        x = np.empty(n, work)
-    else:
-        x = as_values("out", out)
-        overlaps = np.shares_memory(x, g) or np.shares_memory(x, e)
-        _validate.check_accumulate_out(x.shape, x.dtype, n, work, x.flags.writeable, overlaps)
+    x = _output(out, g, e, n, work)
     total = int(ks.sum())
     indices = np.empty(total, np.int64)
     values = np.empty(total, work)
@@ -268,12 +274,7 @@ def accumulate_above(g, e, threshold, *, out=None):
     n = g.shape[0]
     t = _validate.check_threshold(threshold)
     work = _validate.check_accumulated(g.dtype, e.dtype, e.shape[0], n)
-    if out is None:
-        x = np.empty(n, work)
-    else:
-        x = as_values("out", out)
-        overlaps = np.shares_memory(x, g) or np.shares_memory(x, e)
-        _validate.check_accumulate_out(x.shape, x.dtype, n, work, x.flags.writeable, overlaps)
+    x = _output(out, g, e, n, work)
     xb, mask, _, _ = key_view(x)
     K = threshold_key(t, work)
     if g.dtype != work:  # float16: no fused path (Numba has no float16 on the CPU)

@@ -9,6 +9,8 @@ dispatch them. Their device twins live in :mod:`spardl_kernels.cuda.arrays`, wit
 IEEE division in x's dtype, and every NaN written as the canonical NaN (§3.4).
 """
 
+import contextlib
+
 import numpy as np
 from numba import njit
 
@@ -75,11 +77,21 @@ def _lower_bound(members, v, lo):
     return lo
 
 
+@njit(inline="always", **JIT)
+def _member_write(s, v, vals, j, mode):
+    # mode 0 zeroes s[v], mode 1 writes vals[j], mode 2 adds -vals[j] (a NaN sum canonical)
+    if mode == 0:
+        s[v] = 0
+    elif mode == 1:
+        s[v] = vals[j]
+    else:
+        s[v] = canonical(s[v] + (-vals[j]))
+
+
 @njit(**JIT)
 def _member_scan(idx, members, want, s, vals, mode):
-    # For each j with (idx[j] in members) == want: mode 0 zeroes s[idx[j]], mode 1 writes
-    # vals[j], mode 2 adds -vals[j] (a NaN sum as the canonical NaN). Ascending runs of idx
-    # reuse the search position; a descent starts the search again from 0.
+    # _member_write at idx[j] for each j with (idx[j] in members) == want. Ascending runs of
+    # idx reuse the search position; a descent starts the search again from 0.
     lo = 0
     prev = idx[0] if idx.shape[0] else 0
     for j in range(idx.shape[0]):
@@ -91,12 +103,7 @@ def _member_scan(idx, members, want, s, vals, mode):
         hit = lo < members.shape[0] and members[lo] == v
         if hit != want:
             continue
-        if mode == 0:
-            s[v] = 0
-        elif mode == 1:
-            s[v] = vals[j]
-        else:
-            s[v] = canonical(s[v] + (-vals[j]))
+        _member_write(s, v, vals, j, mode)
 
 
 @njit(**JIT)
@@ -119,19 +126,31 @@ def _descents(a):
 
 @njit(**JIT)
 def _marked_pass(idx, bits, want, s, vals, mode):
-    # _member_scan's passes with membership read from a bitmap of s's positions (_mark)
+    # _member_scan's passes with membership read from a bitmap of s's positions (_mark). A
+    # branch, not a select: the writes to s are scattered cache misses, and a position whose
+    # test fails is not touched at all.
     one = np.uint64(1)
     for j in range(idx.shape[0]):
         v = idx[j]
         hit = ((bits[v >> 6] >> np.uint64(v & 63)) & one) == one
         if hit != want:
             continue
-        if mode == 0:
-            s[v] = 0
-        elif mode == 1:
-            s[v] = vals[j]
-        else:
-            s[v] = canonical(s[v] + (-vals[j]))
+        _member_write(s, v, vals, j, mode)
+
+
+@contextlib.contextmanager
+def _members_bitmap(n, members):
+    """A bitmap of n bits with ``members`` (those in [0, n): no other can be a position) set:
+    per-thread scratch, cleared again on the way out, so it is all zero between calls."""
+    if _outside(members, n):
+        members = members[(members >= 0) & (members < n)]
+    members = members.astype(np.int64, copy=False)
+    bits = scratch("members bitmap", (n + 63) // 64, np.uint64, zero=True)
+    _mark(bits, members, True)
+    try:
+        yield bits
+    finally:
+        _mark(bits, members, False)
 
 
 #: From this many members on, the member passes mark them in a bitmap of n bits and look each
@@ -149,38 +168,41 @@ def _positions(name, a):
     return a
 
 
-def _member_pass(s, idx, vals, members, want, mode):
+def _checked_target(s, members):
+    """``s`` (a writeable 1-D float32/float64 array) and the ascending integer ``members``."""
     s = as_array(s, "s")
     _validate.check_work_array("s", s.ndim, s.dtype, s.flags.writeable)
-    idx = _positions("idx", idx)
     members = _positions("members", members)
-    if _outside(idx, s.shape[0]):
-        raise ValueError(f"idx: positions must lie in [0, {s.shape[0]})")
     if _descents(members):
         raise ValueError("members: must be ascending")
+    return s, members
+
+
+def _checked_entry(s, idx, vals):
+    """``idx``: integer positions in [0, n); ``vals``: None, or of idx's shape and s's dtype."""
+    idx = _positions("idx", idx)
+    if _outside(idx, s.shape[0]):
+        raise ValueError(f"idx: positions must lie in [0, {s.shape[0]})")
     if vals is None:
-        vals = np.zeros(0, s.dtype)
-    else:
-        vals = as_array(vals, "vals")
-        if vals.shape != idx.shape or vals.dtype != s.dtype:
-            raise ValueError(
-                f"vals: expected shape {idx.shape} and dtype {s.dtype}, "
-                f"got {vals.shape} {vals.dtype}"
-            )
+        return idx, np.zeros(0, s.dtype)
+    vals = as_array(vals, "vals")
+    if vals.shape != idx.shape or vals.dtype != s.dtype:
+        raise ValueError(
+            f"vals: expected shape {idx.shape} and dtype {s.dtype}, got {vals.shape} {vals.dtype}"
+        )
+    return idx, vals
+
+
+def _member_pass(s, idx, vals, members, want, mode):
+    s, members = _checked_target(s, members)
+    idx, vals = _checked_entry(s, idx, vals)
     if not idx.shape[0]:
         return s
     if members.shape[0] < BITMAP_MIN_MEMBERS:
         _member_scan(idx, members, want, s, vals, mode)
         return s
-    if _outside(members, s.shape[0]):  # outside [0, n): no position can be one
-        members = members[(members >= 0) & (members < s.shape[0])]
-    bits = scratch("members bitmap", (s.shape[0] + 63) // 64, np.uint64, zero=True)
-    members = members.astype(np.int64, copy=False)
-    _mark(bits, members, True)
-    try:
+    with _members_bitmap(s.shape[0], members) as bits:
         _marked_pass(idx.astype(np.int64, copy=False), bits, want, s, vals, mode)
-    finally:
-        _mark(bits, members, False)  # the scratch bitmap is all zero between calls
     return s
 
 
@@ -251,17 +273,6 @@ def _mark(bits, members, on):
             bits[v >> 6] &= ~b
 
 
-@njit(**JIT)
-def _set_unmarked(s, idx, vals, bits):
-    # s[i] = v for every (i, v) whose bit is clear. A branch, not a select: the writes to s
-    # are scattered cache misses, and a member's position is then not touched at all.
-    one = np.uint64(1)
-    for j in range(idx.shape[0]):
-        v = idx[j]
-        if not (bits[v >> 6] >> np.uint64(v & 63)) & one:
-            s[v] = vals[j]
-
-
 def set_outside_log(s, log, members):
     """:func:`set_outside` of every entry of ``log``, newest first, against one ``members``.
 
@@ -292,36 +303,14 @@ def set_outside_log(s, log, members):
     TypeError, ValueError
         As :func:`set_outside`, for any entry.
     """
-    s = as_array(s, "s")
-    _validate.check_work_array("s", s.ndim, s.dtype, s.flags.writeable)
-    members = _positions("members", members)
-    if _descents(members):
-        raise ValueError("members: must be ascending")
-    if _outside(members, s.shape[0]):
-        raise ValueError(f"members: positions must lie in [0, {s.shape[0]})")
-    entries = []
-    for idx, vals in log:
-        idx = _positions("idx", idx)
-        if _outside(idx, s.shape[0]):
-            raise ValueError(f"idx: positions must lie in [0, {s.shape[0]})")
-        vals = as_array(vals, "vals")
-        if vals.shape != idx.shape or vals.dtype != s.dtype:
-            raise ValueError(
-                f"vals: expected shape {idx.shape} and dtype {s.dtype}, "
-                f"got {vals.shape} {vals.dtype}"
-            )
-        entries.append((idx, vals))
+    s, members = _checked_target(s, members)
+    entries = [_checked_entry(s, idx, vals) for idx, vals in log]
     if not entries:
         return s
-    bits = scratch("members bitmap", (s.shape[0] + 63) // 64, np.uint64, zero=True)
-    members = members.astype(np.int64, copy=False)
-    _mark(bits, members, True)
-    try:
+    with _members_bitmap(s.shape[0], members) as bits:
         for idx, vals in reversed(entries):
             if idx.shape[0]:
-                _set_unmarked(s, idx.astype(np.int64, copy=False), vals, bits)
-    finally:
-        _mark(bits, members, False)  # the scratch bitmap is all zero between calls
+                _marked_pass(idx.astype(np.int64, copy=False), bits, False, s, vals, 1)
     return s
 
 
