@@ -98,6 +98,10 @@ def _pingpong(c, sizes, repeat, warmup):
     return [(int(s), float(t)) for s, t in c.bcast_object(out, root=0)]
 
 
+#: The largest message of :func:`ring_beta`: 1 GiB.
+RING_MAX_BYTES = 1 << 30
+
+
 def ring_beta(comm, size: int = 1 << 22, repeat: int = 5, warmup: int = 1) -> float:
     """Seconds per byte of a ring exchange with every rank sending at once (collective).
 
@@ -112,7 +116,7 @@ def ring_beta(comm, size: int = 1 << 22, repeat: int = 5, warmup: int = 1) -> fl
     comm : mpi4py.MPI.Intracomm or spardl.comm.Comm
         At least 2 ranks.
     size : int, default 4 MiB
-        Bytes each rank sends per round, ≥ 1.
+        Bytes each rank sends per round, in [1, :data:`RING_MAX_BYTES`].
     repeat, warmup : int
         Timed and untimed rounds (repeat ≥ 1, warmup ≥ 0).
 
@@ -126,13 +130,19 @@ def ring_beta(comm, size: int = 1 << 22, repeat: int = 5, warmup: int = 1) -> fl
     ValueError
         If the communicator has fewer than 2 ranks, or size, repeat or warmup is out of range
         (on every rank: the arguments are the same everywhere).
+    TypeError
+        If size, repeat or warmup is not an integer (bool included), naming it.
     """
+    from ._checks import check_int
     from .comm import Comm
 
-    if int(size) < 1 or int(repeat) < 1 or int(warmup) < 0:
-        raise ValueError(
-            f"size and repeat must be >= 1 and warmup >= 0, got {size}, {repeat}, {warmup}"
-        )
+    for name, v, lo, hi in (("size", size, 1, RING_MAX_BYTES), ("repeat", repeat, 1, None)):
+        check_int(name, v)
+        if v < lo or (hi is not None and v > hi):
+            raise ValueError(f"{name} must be in [{lo}, {hi or 'inf'}], got {v}")
+    check_int("warmup", warmup)
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
     c = comm if isinstance(comm, Comm) else Comm(comm)
     try:
         if c.size < 2:

@@ -6,6 +6,7 @@ Checks that need the data (sorted, unique, in range) are computed by each backen
 through :func:`require`. Every message starts with the argument's name.
 """
 
+import math
 import numbers
 import operator
 
@@ -99,7 +100,10 @@ def check_threshold(threshold):
         if arr is None or arr.ndim != 0 or arr.dtype.kind not in "iuf":
             raise TypeError(f"threshold: expected a real number, got {type(threshold).__name__}")
         threshold = arr[()]
-    return float(threshold)
+    try:
+        return float(threshold)
+    except OverflowError:  # an integer beyond float64's range: above every finite value
+        return math.inf if threshold > 0 else -math.inf
 
 
 def check_n(n):
@@ -249,6 +253,23 @@ def check_divisor(s):
     real = isinstance(s, (numbers.Real, np.floating, np.integer))
     if isinstance(s, (bool, np.bool_)) or not real:
         raise TypeError(f"s: expected a real number, got {type(s).__name__}")
-    s = float(s)
+    try:
+        s = float(s)
+    except OverflowError:
+        s = math.inf  # an integer beyond float64's range
     require(np.isfinite(s) and s != 0.0, "s", f"must be finite and non-zero, got {s}")
     return s
+
+
+def check_divisor_in(s, dtype):
+    """:func:`check_divisor`, then s in ``dtype`` (the division's), which must still be finite
+    and non-zero there (1e-46 is 0 in float32, 1e39 is inf). Returns it as a ``dtype`` scalar."""
+    s = check_divisor(s)
+    with np.errstate(over="ignore", under="ignore"):
+        t = np.dtype(dtype).type(s)
+    require(
+        np.isfinite(t) and t != 0,
+        "s",
+        f"must be finite and non-zero in {np.dtype(dtype)}, got {s} (which is {t} there)",
+    )
+    return t

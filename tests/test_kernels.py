@@ -997,3 +997,34 @@ def test_accumulate_above_rejects_bad_arguments_naming_them():
     ):
         with pytest.raises(exc, match=match):
             sk.accumulate_above(*args, **kwargs)
+
+
+def test_layer_passes_reject_what_the_review_found():
+    """Faults of one kind, each a clear error naming the argument: the passes that write values
+    without ``vals``; a divisor that is zero or infinite in x's dtype though not in float64; a
+    malformed log; and big-endian positions, which are taken as what they are."""
+    s = np.zeros(8, np.float32)
+    idx = np.arange(8)
+    none = np.array([], np.int64)
+    for call in (
+        lambda: host_arrays.set_outside(s, idx, None, none),
+        lambda: host_arrays.sub_members(s, idx, None, idx),
+        lambda: host_arrays.set_outside_log(s, [(idx, None)], np.arange(4096, 9000)),
+    ):
+        with pytest.raises(TypeError, match="^vals: expected an array"):
+            call()
+    assert not np.any(s)
+    x = np.ones(3, np.float32)
+    for bad in (1e-46, 1e39, 10**400):
+        with pytest.raises(ValueError, match="^s: must be finite and non-zero"):
+            host_arrays.divide_max_abs(x, bad)
+    assert np.all(x == 1)
+    for log, match in ((None, "^log: expected a sequence"), ([idx], "^log: every entry")):
+        with pytest.raises(TypeError, match=match):
+            host_arrays.set_outside_log(s, log, none)
+    vals = np.arange(1, 9, dtype=np.float32)
+    big = host_arrays.set_outside(s.copy(), idx.astype(">i8"), vals, np.array([2], ">i8"))
+    assert_same_bits(big, np.where(idx == 2, 0, vals).astype(np.float32))
+    x, i, v = sk.accumulate_above(vals, np.zeros(8, np.float32), 10**400)
+    assert i.shape == (0,) and v.shape == (0,)
+    assert sk.select_above(vals, -(10**400))[0].tolist() == list(range(8))

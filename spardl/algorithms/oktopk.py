@@ -123,9 +123,10 @@ class OkTopk(Allreducer):
       size exchange and the allgatherv. "compact" messages differ in size and use the
       allgatherv;
     * **the residual keeps the wire's rounding.** Algorithm 2 zeroes the residual on
-      local ∩ global indices; here E = X − sent there, which is the same zero with "coo"
-      (what is sent is X itself) and keeps the 16-bit rounding of "compact" messages, so the
-      conservation invariant holds for both wires. ``residual="local"`` (an ablation) zeroes
+      local ∩ global indices; here it is zeroed there and then gets what the wire rounded off
+      ("compact" messages' 16-bit rounding; nothing for "coo"), so the conservation invariant
+      holds for both wires. (Zeroed, not X − sent: a NaN or ±inf that was sent leaves the
+      residual, as in every other algorithm.) ``residual="local"`` (an ablation) zeroes
       every locally selected entry, as plain error feedback does.
 
     GPU gradients keep X, the selections, the reduced regions and the residual on the device;
@@ -380,8 +381,9 @@ class OkTopk(Allreducer):
             # forget everything sent, even if dropped downstream
             A.zero_at(residual, sel_idx)
         else:
-            # Contributed and in the output (local top-k ∩ global top-k): E = X + (−sent).
-            A.sub_members(residual, sel_idx, sel_val, out_idx)
+            # Contributed and in the output (local top-k ∩ global top-k): E = 0 there (what was
+            # sent is X itself; a non-finite one leaves too), plus the wire's rounding below.
+            A.zero_members(residual, sel_idx, out_idx)
         # What the wire rounded off stays here ("compact"; nothing for "coo"): a selected
         # entry's where it counted (all of X stays where it did not), and the whole remainder
         # of every reduced entry forwarded (they all reach the output).

@@ -165,6 +165,8 @@ def _positions(name, a):
         raise ValueError(f"{name}: expected a 1-D array, got shape {a.shape}")
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name}: dtype must be an integer type, got {a.dtype}")
+    if not a.dtype.isnative:  # big-endian: the compiled passes take native integers
+        a = a.astype(a.dtype.newbyteorder("="))
     return a
 
 
@@ -178,13 +180,16 @@ def _checked_target(s, members):
     return s, members
 
 
-def _checked_entry(s, idx, vals):
-    """``idx``: integer positions in [0, n); ``vals``: None, or of idx's shape and s's dtype."""
+def _checked_entry(s, idx, vals, needs_vals=True):
+    """``idx``: integer positions in [0, n); ``vals``: of idx's shape and s's dtype (ignored
+    without ``needs_vals``: zero_members)."""
     idx = _positions("idx", idx)
     if _outside(idx, s.shape[0]):
         raise ValueError(f"idx: positions must lie in [0, {s.shape[0]})")
-    if vals is None:
+    if not needs_vals:
         return idx, np.zeros(0, s.dtype)
+    if vals is None:
+        raise TypeError(f"vals: expected an array of shape {idx.shape} and dtype {s.dtype}")
     vals = as_array(vals, "vals")
     if vals.shape != idx.shape or vals.dtype != s.dtype:
         raise ValueError(
@@ -195,7 +200,7 @@ def _checked_entry(s, idx, vals):
 
 def _member_pass(s, idx, vals, members, want, mode):
     s, members = _checked_target(s, members)
-    idx, vals = _checked_entry(s, idx, vals)
+    idx, vals = _checked_entry(s, idx, vals, needs_vals=mode != 0)
     if not idx.shape[0]:
         return s
     if members.shape[0] < BITMAP_MIN_MEMBERS:
@@ -304,7 +309,13 @@ def set_outside_log(s, log, members):
         As :func:`set_outside`, for any entry.
     """
     s, members = _checked_target(s, members)
-    entries = [_checked_entry(s, idx, vals) for idx, vals in log]
+    if isinstance(log, (str, bytes)) or not hasattr(log, "__iter__"):
+        raise TypeError(f"log: expected a sequence of (idx, vals) pairs, got {type(log).__name__}")
+    entries = []
+    for entry in log:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+            raise TypeError(f"log: every entry must be an (idx, vals) pair, got {entry!r:.60}")
+        entries.append(_checked_entry(s, *entry))
     if not entries:
         return s
     with _members_bitmap(s.shape[0], members) as bits:
@@ -394,7 +405,7 @@ def divide_max_abs(x, s, out=None):
         _validate.require(
             not np.shares_memory(out, x), "out", "overlaps x; pass out=None to divide in place"
         )
-    s = x.dtype.type(_validate.check_divisor(s))
+    s = _validate.check_divisor_in(s, x.dtype)
     uint = np.dtype(f"uint{8 * x.dtype.itemsize}").type
     mask = np.iinfo(uint).max >> 1
     top = _divide_abs_bits(x, x.view(uint), uint(mask), s, out)

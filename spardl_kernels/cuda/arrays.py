@@ -503,7 +503,7 @@ def divide_max_abs(x, s, out=None):
     out = x if out is None else _work_array(out, "out")
     _validate.check_same_length("out", out.shape[0], "x", x.shape[0])
     _validate.check_same_dtype("out", out.dtype, "x", x.dtype)
-    s = np.dtype(x.dtype).type(_validate.check_divisor(s))
+    s = _validate.check_divisor_in(s, x.dtype)
     res = cuda.to_device(np.zeros(1, np.float64))
     if x.shape[0]:
         C.launch(_divide_max_abs, x.shape[0])(x, s, C.canonical_nan(x.dtype), out, res)

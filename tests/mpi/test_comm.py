@@ -85,8 +85,16 @@ def test_ring_beta_is_one_positive_number_everywhere(comm):
     else:
         b = ring_beta(c, size=1 << 16, repeat=2)
         assert b > 0 and c.allgather_object(b) == [b] * c.size
-    for kwargs in ({"size": 0}, {"repeat": 0}, {"warmup": -1}):
-        with pytest.raises(ValueError, match="size and repeat must be >= 1"):
+    for kwargs, exc, match in (
+        ({"size": 0}, ValueError, "^size must be in"),
+        ({"size": 1 << 31}, ValueError, "^size must be in"),
+        ({"repeat": 0}, ValueError, "^repeat must be in"),
+        ({"warmup": -1}, ValueError, "^warmup must be >= 0"),
+        ({"size": 2.5}, TypeError, "^size must be an integer"),
+        ({"repeat": True}, TypeError, "^repeat must be an integer"),
+        ({"warmup": 0.5}, TypeError, "^warmup must be an integer"),
+    ):
+        with pytest.raises(exc, match=match):
             ring_beta(c, **kwargs)
     assert c.allreduce(np.ones(2)).tolist() == [c.size, c.size]
     c.free()

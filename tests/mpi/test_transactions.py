@@ -219,3 +219,27 @@ def test_a_rejected_load_at_another_density_leaves_the_state_unchanged(comm, alg
     with pytest.raises(ValueError, match="malformed"):
         a.load_state_dict(state)
     assert_same_state(before, a.state_dict())
+
+
+# every configuration with both wires; dense sends dense vectors whatever the wire: once
+WIRED = [(a, o, w) for a, o in CONFIGS for w in ("coo", "compact") if a != "dense" or w == "coo"]
+WIRED_IDS = [f"{a}-{w}-" + "-".join(f"{k}={v}" for k, v in o.items()) for a, o, w in WIRED]
+
+
+@pytest.mark.parametrize(("algorithm", "opts", "wire"), WIRED, ids=WIRED_IDS)
+def test_a_propagated_nan_leaves_with_the_step_that_sent_it(comm, algorithm, opts, wire):
+    """``nonfinite="propagate"``: a NaN and an inf in one rank's gradient reach the output of
+    that step; what was sent of them leaves the senders' residuals (they rank above every
+    finite value, so every algorithm sends them), so the next steps, on finite gradients, are
+    finite everywhere, output and residuals."""
+    ar = spardl.make(algorithm, comm, N, density=0.25, nonfinite="propagate", wire=wire, **opts)
+    for step in range(4):
+        g = grads_for(comm, N, np.float32, seed=90 + step)[comm.rank]
+        if step == 1 and comm.rank == 0:
+            g[5], g[17] = np.nan, np.inf
+        out = ar(g)
+        assert_identical_everywhere(comm, out)
+        if step >= 2:
+            assert np.all(np.isfinite(out.to_dense())), f"step {step}: a non-finite output"
+            assert np.all(np.isfinite(ar.residual)), f"step {step}: a non-finite residual"
+    ar.close()
