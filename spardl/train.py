@@ -585,15 +585,26 @@ def _check_paths(args, job) -> None:
             problem = f"--resume: no checkpoint {resume}"
         elif args.out is not None and job.rank == 0:
             args.out.mkdir(parents=True, exist_ok=True)
+            _probe_writable(args.out)
         if problem is None and args.checkpoint is not None:
             args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            _probe_writable(args.checkpoint.parent)
     except OSError as e:
-        problem = f"cannot create a directory for --out or --checkpoint: {e}"
+        problem = f"cannot create or write a directory for --out or --checkpoint: {e}"
     problems = job.allgather_object(problem)
     bad = [(r, p) for r, p in enumerate(problems) if p is not None]
     if bad:
         r, p = bad[0]
         raise UsageError(f"{p} (rank {r}" + (f" and {len(bad) - 1} more)" if len(bad) > 1 else ")"))
+
+
+def _probe_writable(directory: Path) -> None:
+    """Create and remove a file in ``directory`` (OSError if that fails: a directory that
+    exists but takes no files, such as /proc, or a read-only one)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".spardl-probe-"):
+        pass
 
 
 def build_model(width: int = 16, model: str = "cnn"):

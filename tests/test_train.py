@@ -186,7 +186,9 @@ def test_ddp_hook_resume_equals_uninterrupted_bit_for_bit(runs):
         (["--epochs", "x"], "argument --epochs: expected an integer >= 1, got 'x'"),
         (["--teams", "3"], "--teams must divide the number of ranks P=2, got 3"),
         (["--resume", "{tmp}/none"], "--resume: no checkpoint"),
-        (["--out", "{tmp}/file/out"], "cannot create a directory for --out"),
+        (["--out", "{tmp}/file/out"], "cannot create or write a directory for --out"),
+        (["--out", "/proc"], "cannot create or write a directory for --out"),
+        (["--checkpoint", "/proc/ck"], "cannot create or write a directory for --out"),
         (["--model", "rnn"], "argument --model: invalid choice: 'rnn'"),
     ],
 )
