@@ -136,16 +136,23 @@ class SparseResult:
         Raises
         ------
         ValueError
-            If ``out`` does not have shape (n,).
+            If ``out`` does not have shape (n,) or is read-only.
         TypeError
-            If ``out`` is a host array for a device result, or the other way round, or its dtype
-            is not the result's dtype.
+            If ``out`` is not an array (a list, say), is a host array for a device result or the
+            other way round, or its dtype is not the result's dtype.
         """
         from . import _arrays as A
 
         src = self._dense
         device = A.is_device(self._values if src is None else src)
         if out is not None:
+            if not (isinstance(out, np.ndarray) or A.is_device(out)):
+                raise TypeError(
+                    f"out must be a NumPy array (a device array for a device result), got "
+                    f"{type(out).__name__}"
+                )
+            if isinstance(out, np.ndarray) and not out.flags.writeable:
+                raise ValueError("out is read-only")
             if tuple(getattr(out, "shape", ()) or ()) != (self.n,):
                 got = getattr(out, "shape", None)
                 raise ValueError(f"out must have shape ({self.n},), got {got}")

@@ -99,3 +99,22 @@ def test_buffer_pool_hands_out_only_buffers_nothing_else_holds():
     assert pool.take(8, np.float32) is not None
     pool.clear()
     assert len(pool) == 0 and pool.take(8, np.float32) is None
+
+
+@pytest.mark.parametrize("algorithm", SPARSE)
+def test_residual_before_the_first_call_and_after_a_load_has_the_work_dtype(algorithm):
+    """Before any call the residual is float32 zeros (the gradients' dtype is not known yet);
+    after loading a state, the saved work dtype and values (float32 for float16 gradients)."""
+    ar = spardl.make(algorithm, MPI.COMM_SELF, 64, density=0.25)
+    assert ar.residual.dtype == np.float32 and not ar.residual.any()
+    ar(np.random.default_rng(0).standard_normal(64))  # float64 gradient
+    saved = ar.state_dict()
+    fresh = spardl.make(algorithm, MPI.COMM_SELF, 64, density=0.25)
+    fresh.load_state_dict(saved)
+    assert fresh.residual.dtype == np.float64
+    np.testing.assert_array_equal(fresh.residual, ar.residual)
+    half = spardl.make(algorithm, MPI.COMM_SELF, 64, density=0.25)
+    half(np.ones(64, np.float16))
+    again = spardl.make(algorithm, MPI.COMM_SELF, 64, density=0.25)
+    again.load_state_dict(half.state_dict())
+    assert again.residual.dtype == np.float32  # float16 gradients accumulate in float32

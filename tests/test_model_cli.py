@@ -167,3 +167,25 @@ def test_pingpong_needs_two_ranks_given_an_mpi4py_communicator_or_a_comm():
     assert c.stats["messages"] == 0  # a Comm given is used as it is, and left usable
     assert c.allreduce(np.ones(2)).tolist() == [1.0, 1.0]
     c.free()
+
+
+@pytest.mark.parametrize(
+    "argv, prog",
+    [
+        (["train", "--bogus"], "spardl train"),
+        (["bench", "pingpong", "--zzz", "1"], "spardl bench pingpong"),
+        (["info", "--x"], "spardl info"),
+    ],
+)
+def test_unknown_options_are_named_by_their_subcommand(argv, prog, capsys):
+    """An option no parser knows: exit status 2 and the subcommand's own usage line, not the
+    top-level 'spardl: error:'."""
+    from spardl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{prog}: error: unrecognized arguments: {' '.join(argv[len(prog.split()) - 1 :])}" in err
+    )

@@ -65,6 +65,14 @@ def test_to_dense_checks_out_for_both_forms():
             with pytest.raises(TypeError, match=f"out has dtype {np.dtype(dtype)}"):
                 r.to_dense(out=out)
             assert (out == 7).all()  # untouched
+        for bad in ([0.0] * 4, (0.0,) * 4, "abcd"):
+            with pytest.raises(TypeError, match=f"out must be a NumPy array.*{type(bad).__name__}"):
+                r.to_dense(out=bad)
+        frozen = np.full(4, 7, np.float32)
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match="out is read-only"):
+            r.to_dense(out=frozen)
+        assert (frozen == 7).all()
 
 
 def test_results_are_read_only():

@@ -647,8 +647,10 @@ class Allreducer:
     # -- state ------------------------------------------------------------------------------
     @property
     def residual(self) -> np.ndarray:
-        """This rank's residual E after the last call: shape (n,), float32 for float16 gradients;
-        a device array after calls with GPU gradients."""
+        """This rank's residual E after the last call: shape (n,), the gradients' work dtype
+        (float32 for float16 gradients); a device array after calls with GPU gradients. Before
+        the first call (and after loading a state saved before one) the gradients' dtype is
+        not known yet: float32 zeros; the first gradient fixes the dtype."""
         if self._residual is None:
             return np.zeros(self.n, dtype=np.float32)
         return self._residual

@@ -43,5 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``spardl`` and ``python -m spardl``; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand whose options they are not ("spardl train: error: ...")
+        _leaf(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args) or 0)
+
+
+def _leaf(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The (sub)parser that parsed the chosen (sub)command of ``args``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None))
+            if chosen is not None:
+                return _leaf(chosen, args)
+    return parser
