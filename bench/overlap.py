@@ -34,6 +34,14 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=400, help="layer width (default 400)")
     p.add_argument("--layers", type=int, default=8, help="linear layers (default 8)")
     p.add_argument("--delay-ms", type=float, default=10.0, help="backward delay per layer")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=32,
+        help="samples per rank and step (default 32); the forward and backward passes run on "
+        "this machine's CPUs beside the delays, so a small batch leaves the delays (the "
+        "accelerator's share) as most of the step's compute",
+    )
     p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="DDP's bucket_cap_mb")
     p.add_argument("--blocks", type=int, default=40, help="alternating blocks per mode")
     p.add_argument("--steps", type=int, default=1, help="timed steps per block")
@@ -45,8 +53,8 @@ def parse_args(argv=None):
         "start and end, ms from the step's start)",
     )
     args = p.parse_args(argv)
-    if min(args.width, args.layers, args.blocks, args.steps) < 1 or args.warmup < 3:
-        p.error("--width, --layers, --blocks, --steps must be >= 1 and --warmup >= 3")
+    if min(args.width, args.layers, args.blocks, args.steps, args.batch) < 1 or args.warmup < 3:
+        p.error("--width, --layers, --blocks, --steps, --batch must be >= 1 and --warmup >= 3")
     if not 0 < args.density <= 1 or args.delay_ms < 0 or args.bucket_cap_mb <= 0:
         p.error("--density in (0, 1], --delay-ms >= 0, --bucket-cap-mb > 0")
     return args
@@ -98,7 +106,7 @@ def run_mode(mode, args, world):
     net.register_comm_hook(state, sparse_allreduce_hook)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(world.Get_rank())
-    x = torch.randn(32, args.width, generator=gen)
+    x = torch.randn(args.batch, args.width, generator=gen)
 
     def step():
         world.Barrier()
@@ -170,6 +178,7 @@ def main(argv=None):
         "density": args.density,
         "n": n,
         "buckets": buckets,
+        "batch": args.batch,
         "delay_ms_per_layer": args.delay_ms,
         "backward_delay_ms": args.delay_ms * args.layers,
         "block_medians_ms": {m: [1000 * t for t in v] for m, v in medians.items()},
