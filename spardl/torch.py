@@ -160,7 +160,8 @@ def _check_warmup(warmup_steps) -> int:
 class _Techniques:
     """The convergence techniques of Deep Gradient Compression (arXiv 1712.01887 §3.2-3.3),
     validated: momentum correction, momentum factor masking, local gradient clipping and the
-    exponential density warm-up. See :class:`SparseGradientReducer` for their definitions."""
+    exponential density warm-up; and ``dense_numel`` (small parameters reduced dense). See
+    :class:`SparseGradientReducer` for their definitions."""
 
     def __init__(
         self,
@@ -170,9 +171,14 @@ class _Techniques:
         density_warmup=0,
         warmup_density=None,
         *,
+        dense_numel=0,
         density=None,
         residual="global",
     ):
+        d = check_int("dense_numel", dense_numel)
+        if d < 0:
+            raise ValueError(f"dense_numel must be >= 0, got {d}")
+        self.dense_numel = int(d)
         m = check_float("momentum_correction", momentum_correction, or_none=True)
         if m is not None:
             if not 0 <= m < 1:
@@ -224,6 +230,7 @@ class _Techniques:
             "clip_norm": self.clip_norm,
             "density_warmup": self.density_warmup,
             "warmup_density": self.warmup_density,
+            "dense_numel": self.dense_numel,
         }
 
 
@@ -495,6 +502,8 @@ class _Core:
         self.offsets = None
         self.n = 0
         self.flat = None
+        self.small = []  # (start, end) of the parameters reduced dense (tech.dense_numel)
+        self.small_dense = None  # their dense allreducer
 
     @property
     def stats(self) -> dict:
@@ -502,7 +511,7 @@ class _Core:
 
     def close(self) -> None:
         """Free the allreducers' communicators, and this core's own (collective)."""
-        for ar in (self.sparse, self.dense):
+        for ar in (self.sparse, self.dense, self.small_dense):
             if ar is not None:
                 ar.close()
         if self.owns_comms:
@@ -516,6 +525,10 @@ class _Core:
         self.offsets = np.cumsum([0, *self.numels]).tolist()
         self.n = int(self.offsets[-1])
         self.flat = torch.zeros(self.n, dtype=dtype, device=device)
+        o, limit = self.offsets, self.tech.dense_numel
+        self.small = [(o[i], o[i + 1]) for i, m in enumerate(self.numels) if m <= limit]
+        if len(self.small) == len(self.numels):
+            self.small = []  # every parameter small: nothing is left to sparsify; no split
 
     def allreducer(self, dense: bool):
         if dense:
@@ -558,6 +571,17 @@ class _Core:
         if self.tech.clip_norm is not None:
             self._clip()
         u_before, x_in = self._accumulate_velocity(ar, unused, dense)
+        small = None
+        if self.small and not dense:
+            try:
+                small = self._reduce_small(x_in)
+            except BaseException:
+                self._undo(ar, u_before, before_density)
+                raise
+            if small is False:  # nonfinite="skip": the whole step is dropped
+                self._undo(ar, u_before, before_density)
+                self.flat.zero_()  # the result, as a skipped sparse step leaves it
+                return self._empty()
         keep = []
         if not dense and unused and ar.residual_mode != "none":
             res = _tensor(ar.residual, self.flat)
@@ -580,6 +604,12 @@ class _Core:
                 res[a:b] = v
         out.to_dense(out=buf)  # into the flat buffer, on its device
         _sync(self.flat)
+        if small is not None and applied:
+            start = 0
+            for a, b in self.small:
+                self.flat[a:b] = small[start : start + b - a]
+                start += b - a
+            out = self._result()
         if x_in is not None:
             # Factor masking: u is zeroed where this rank's accumulation left its residual
             # (masked_fill_: no index list, where boolean indexing builds one).
@@ -588,6 +618,63 @@ class _Core:
         if applied:  # the schedules (dense warm-up, density warm-up) count applied steps
             self.step += 1
         return out
+
+    def _reduce_small(self, x_in):
+        """The parameters of :attr:`small` (at most ``dense_numel`` elements each) reduced by a
+        dense allreduce (mean), taken out of the sparse allreducer's input (their slices of
+        ``flat`` become zeros, so the sparse part never selects them and their residual stays
+        as it is). Returns the reduced values (one tensor, the slices in order), or False when
+        they are not finite and ``nonfinite="skip"`` (every rank sees the same sums). With
+        momentum correction their velocity is kept, not masked: they are sent in full every
+        step, as momentum SGD does (``x_in``'s slices are zeroed so factor masking skips them).
+
+        Raises
+        ------
+        spardl.NonFiniteError
+            With ``nonfinite="raise"``, on every rank, when the reduced values are not finite.
+        """
+        from .algorithms.base import NonFiniteError
+
+        flat = self.flat
+        parts = torch.cat([flat[a:b] for a, b in self.small])
+        for a, b in self.small:
+            flat[a:b].zero_()
+            if x_in is not None:
+                x_in[a:b].zero_()
+        if self.small_dense is None:
+            self.small_dense = make(
+                "dense", self.comm, len(parts), op="mean", nonfinite="propagate"
+            )
+        buf = _vector(parts)
+        _sync(parts)
+        self.small_dense(buf).to_dense(out=buf)
+        _sync(parts)
+        mode = self.options.get("nonfinite", "raise")
+        if mode != "propagate" and not bool(torch.isfinite(parts).all()):
+            if mode == "raise":
+                raise NonFiniteError(
+                    f"the dense-reduced small parameters (dense_numel={self.tech.dense_numel}) "
+                    f"hold NaN or Inf at step {self.step}; the step was not applied"
+                )
+            self.stats["skipped_steps"] = self.stats.get("skipped_steps", 0) + 1
+            return False
+        return parts
+
+    def _result(self):
+        """The reduced gradient in ``flat`` (sparse part and dense-reduced small parameters) as
+        a SparseResult: its non-zeros, on flat's device."""
+        from .result import SparseResult
+
+        idx = torch.nonzero(self.flat).flatten()
+        vals = self.flat[idx]
+        return SparseResult(_vector(idx), _vector(vals), self.n)
+
+    def _empty(self):
+        from .result import SparseResult
+
+        flat = self.flat
+        idx = torch.zeros(0, dtype=torch.int64, device=flat.device)
+        return SparseResult(_vector(idx), _vector(flat[:0]), self.n)
 
     def _warm_density(self, ar, dense: bool):
         """Move ρ to this step's density warm-up value; returns the allreducer's snapshot
@@ -1227,6 +1314,9 @@ class SparseHookState(_Front):
         Deep Gradient Compression's techniques, as in :class:`SparseGradientReducer`; they run on
         the model's whole gradient (every bucket of the iteration), with the velocity kept by
         parameter and checkpointed in :meth:`state_dict`.
+    dense_numel : int, default 0
+        Parameters with at most this many elements reduced dense, as in
+        :class:`SparseGradientReducer` (in overlap mode, within each bucket).
     overlap : bool, default False
         Reduce each DDP bucket as soon as DDP hands it over, on one communication thread, while
         backward computes the next buckets: the hook's future for a bucket completes when that
@@ -1285,6 +1375,7 @@ class SparseHookState(_Front):
         clip_norm=None,
         density_warmup: int = 0,
         warmup_density: float | None = None,
+        dense_numel: int = 0,
         overlap: bool = False,
         **allreducer_options,
     ):
@@ -1303,6 +1394,7 @@ class SparseHookState(_Front):
                 clip_norm,
                 density_warmup,
                 warmup_density,
+                dense_numel=dense_numel,
                 density=allreducer_options.get("density", _DEFAULT_DENSITY),
                 residual=allreducer_options.get("residual", "global"),
             )
@@ -1650,6 +1742,16 @@ class SparseGradientReducer(_Front):
     warmup_density : float, optional
         The density of the warm-up's first sparse step (DGC starts at 25%), in (0, 1], at least
         ``density``; given only with ``density_warmup`` > 0 (default then: 0.25).
+    dense_numel : int, default 0
+        Parameters with at most this many elements (biases, normalisation gains and shifts)
+        are reduced by a dense allreduce (mean) instead of the sparse one, as PowerSGD and
+        PyTorch's PowerSGD hook leave 1-D tensors uncompressed: they are a small share of n
+        but rarely win a place in a global top-k, where each element of theirs matters more.
+        Each step then runs one more (small) allreduce; the sparse allreducer never selects
+        them (their slices of its input are zeros) and their residual is left as it is. With
+        ``momentum_correction`` their velocity is kept (not factor-masked): they are sent in
+        full every step, which is momentum SGD. Applied on sparse steps; 0: off (every
+        parameter sparsified), also when every parameter is that small.
     **options
         Passed to :func:`spardl.make` (``density``, ``teams``, ``residual``, ``op``, ...).
 
@@ -1676,6 +1778,7 @@ class SparseGradientReducer(_Front):
         clip_norm=None,
         density_warmup: int = 0,
         warmup_density: float | None = None,
+        dense_numel: int = 0,
         **options,
     ):
         err, tech = None, None
@@ -1689,6 +1792,7 @@ class SparseGradientReducer(_Front):
                 clip_norm,
                 density_warmup,
                 warmup_density,
+                dense_numel=dense_numel,
                 density=options.get("density", _DEFAULT_DENSITY),
                 residual=options.get("residual", "global"),
             )

@@ -80,6 +80,7 @@ _RANGED = {
     "stop_after": POSITIVE_INT,
     "clip_norm": POSITIVE_FLOAT,
     "density_warmup": NONNEGATIVE_INT,
+    "dense_numel": NONNEGATIVE_INT,
     "warmup_density": DENSITY,
     "steps": POSITIVE_INT,
     "eval_every": POSITIVE_INT,
@@ -87,7 +88,14 @@ _RANGED = {
     "heads": POSITIVE_INT,
     "context": POSITIVE_INT,
 }
-_OPTIONAL = ("warmup_steps", "stop_after", "clip_norm", "density_warmup", "warmup_density")
+_OPTIONAL = (
+    "warmup_steps",
+    "stop_after",
+    "clip_norm",
+    "density_warmup",
+    "warmup_density",
+    "dense_numel",
+)
 #: Deep Gradient Compression's techniques (arXiv 1712.01887 §3.2-3.3): their defaults when a
 #: Namespace built without the parser lacks them.
 _DGC_DEFAULTS = {
@@ -96,6 +104,7 @@ _DGC_DEFAULTS = {
     "clip_norm": None,
     "density_warmup": 0,
     "warmup_density": 0.25,
+    "dense_numel": 0,
 }
 #: Options of one task only (None unless given), and the per-task defaults filled in by run().
 _TASK_ONLY = {
@@ -303,6 +312,14 @@ def _add_dgc_options(p) -> None:
         default=None,
         help="the density warm-up's first density, at least --density (default: 0.25)",
     )
+    p.add_argument(
+        "--dense-numel",
+        type=_RANGED["dense_numel"],
+        default=None,
+        metavar="N",
+        help="parameters with at most N elements (biases, normalisation layers) are reduced by a "
+        "dense allreduce instead of the sparse one (default: 0, every parameter sparsified)",
+    )
 
 
 def _add_run_options(p) -> None:
@@ -474,6 +491,7 @@ RUN_OPTIONS = (
     "clip_norm",
     "density_warmup",
     "warmup_density",
+    "dense_numel",
 )
 
 
@@ -957,6 +975,7 @@ def _allreducer_options(args) -> dict:
         clip_norm=args.clip_norm,
         density_warmup=args.density_warmup,
         warmup_density=args.warmup_density if args.density_warmup else None,
+        dense_numel=args.dense_numel,
     )
     return options
 
@@ -1039,6 +1058,7 @@ def _run_metrics(args, P: int, n_params: int) -> dict:
         "clip_norm": args.clip_norm,
         "density_warmup": args.density_warmup,
         "warmup_density": args.warmup_density if args.density_warmup else None,
+        "dense_numel": args.dense_numel,
         "optimizer_momentum": _optimizer_momentum(args),
         "width": args.width,
         "model": args.model,

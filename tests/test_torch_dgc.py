@@ -133,6 +133,8 @@ def test_density_warmup_falls_exponentially_to_the_target():
         ({"density_warmup": -1}, ValueError, "density_warmup must be >= 0"),
         ({"density_warmup": 2.0}, TypeError, "density_warmup must be an integer"),
         ({"warmup_density": 1.5}, ValueError, r"warmup_density must be in \(0, 1\]"),
+        ({"dense_numel": -1}, ValueError, "dense_numel must be >= 0"),
+        ({"dense_numel": 2.0}, TypeError, "dense_numel must be an integer"),
         ({"factor_masking": False}, ValueError, "factor_masking=False applies with momentum"),
         ({"warmup_density": 0.3}, ValueError, "warmup_density applies with density_warmup"),
         (
@@ -186,6 +188,15 @@ def test_momentum_correction_conserves_and_masks_what_was_sent(checks, algorithm
     r = checks["conservation"][algorithm]
     assert r["conservation_error"] <= 1e-6
     assert r["mask_ok"] and r["masked"] > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["spardl", "oktopk"])
+def test_dense_numel_gives_small_parameters_the_mean_over_ranks(checks, algorithm):
+    r = checks["dense_small"][algorithm]
+    assert r["mean_error"] <= 1e-6, r
+    assert r["conservation_error"] <= 1e-6, r
+    assert r["velocity_kept"], r
 
 
 def test_a_step_that_raises_leaves_the_velocity_as_it_was():
@@ -272,3 +283,96 @@ def test_velocity_follows_each_parameter_into_another_layout():
         got = other.velocities()[k]
         np.testing.assert_array_equal(got[got != 0], u[got != 0])
         assert np.count_nonzero(got) > 0
+
+
+def _small_and_big(n_small=6, n_big=300):
+    b, w = torch.nn.Parameter(torch.zeros(n_small)), torch.nn.Parameter(torch.zeros(n_big))
+    return b, w
+
+
+@pytest.mark.parametrize("algorithm", ["spardl", "oktopk", "topka", "gtopk"])
+def test_dense_numel_reduces_small_parameters_dense_and_the_rest_sparse(algorithm):
+    """P = 1: a parameter of at most dense_numel elements gets its gradient in full (the dense
+    mean of one rank), tiny as it is; the large one only its top-k with error feedback, the
+    same as an allreducer given the large parameter alone (where the small one's zeros never
+    compete); the returned result is the written .grad."""
+    b, w = _small_and_big()
+    red = st.SparseGradientReducer(
+        [("b", b), ("w", w)], MPI.COMM_SELF, algorithm, density=0.02, dense_numel=6
+    )
+    alone_w = torch.nn.Parameter(torch.zeros(300))
+    alone = st.SparseGradientReducer([("w", alone_w)], MPI.COMM_SELF, algorithm, density=0.02)
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        gb = (rng.standard_normal(6) * 1e-6).astype(np.float32)  # far below w's top-k
+        gw = rng.standard_normal(300).astype(np.float32)
+        b.grad, w.grad = torch.from_numpy(gb.copy()), torch.from_numpy(gw.copy())
+        alone_w.grad = torch.from_numpy(gw.copy())
+        out = red.reduce()
+        alone.reduce()
+        np.testing.assert_array_equal(b.grad.numpy(), gb)
+        np.testing.assert_array_equal(w.grad.numpy(), alone_w.grad.numpy())
+        np.testing.assert_array_equal(out.to_dense(), torch.cat([b.grad, w.grad]).numpy())
+    assert not red.residuals()["b"].any()  # never part of the sparse allreduce
+    np.testing.assert_array_equal(red.residuals()["w"], alone.residuals()["w"])
+
+
+def test_dense_numel_keeps_the_small_parameters_velocity():
+    """With momentum correction a dense-reduced parameter is sent in full every step and its
+    velocity is not masked: it receives u = m·u + g (momentum SGD); the large one is masked."""
+    b, w = _small_and_big()
+    red = st.SparseGradientReducer(
+        [("b", b), ("w", w)],
+        MPI.COMM_SELF,
+        "topka",
+        density=0.02,
+        dense_numel=6,
+        momentum_correction=0.5,
+    )
+    gb = np.arange(1, 7, dtype=np.float32)
+    gw = np.linspace(-1, 1, 300, dtype=np.float32)
+    want = np.zeros(6, np.float32)
+    for _ in range(3):
+        b.grad, w.grad = torch.from_numpy(gb.copy()), torch.from_numpy(gw.copy())
+        red.reduce()
+        want = np.float32(0.5) * want + gb
+        np.testing.assert_array_equal(b.grad.numpy(), want)
+        np.testing.assert_array_equal(red.velocities()["b"], want)
+    sent = w.grad.numpy() != 0
+    assert sent.any() and not red.velocities()["w"][sent].any()
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_a_nonfinite_small_parameter_rejects_the_whole_step(nonfinite):
+    """NaN in a dense-reduced parameter: the step raises (or is skipped) as a NaN in the sparse
+    part would: no .grad written, the residuals, velocities and step as they were."""
+    import spardl
+
+    b, w = _small_and_big()
+    red = st.SparseGradientReducer(
+        [("b", b), ("w", w)],
+        MPI.COMM_SELF,
+        "spardl",
+        density=0.02,
+        dense_numel=6,
+        momentum_correction=0.9,
+        nonfinite=nonfinite,
+    )
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        b.grad = torch.from_numpy(rng.standard_normal(6).astype(np.float32))
+        w.grad = torch.from_numpy(rng.standard_normal(300).astype(np.float32))
+        red.reduce()
+    before = red.state_dict()
+    b.grad = torch.full((6,), float("nan"))
+    w.grad = torch.ones(300)
+    if nonfinite == "raise":
+        with pytest.raises(spardl.NonFiniteError, match="dense-reduced small parameters"):
+            red.reduce()
+    else:
+        out = red.reduce()
+        assert out.nnz == 0 and not w.grad.any() and not b.grad.any()
+        assert red.stats["skipped_steps"] == 1
+    after = red.state_dict()
+    before.pop("stats"), after.pop("stats")
+    assert repr(_plain(after)) == repr(_plain(before))

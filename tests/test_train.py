@@ -190,6 +190,7 @@ def test_ddp_hook_resume_equals_uninterrupted_bit_for_bit(runs):
         (["--out", "/proc"], "cannot create or write a directory for --out"),
         (["--checkpoint", "/proc/ck"], "cannot create or write a directory for --out"),
         (["--model", "rnn"], "argument --model: invalid choice: 'rnn'"),
+        (["--dense-numel", "-1"], "argument --dense-numel: must be an integer >= 0, got -1"),
     ],
 )
 def test_bad_option_is_a_usage_error_on_every_rank(tmp_path, option, message):
@@ -241,6 +242,7 @@ def test_dgc_techniques_are_recorded_and_checkpointed(runs):
     """--momentum-correction (the optimizer then has momentum 0), --clip-norm and the density
     warm-up: recorded in metrics.json; the velocities are in the checkpoint, keyed by parameter."""
     dgc = ["--momentum-correction", "--clip-norm", "5", "--density-warmup", "30"]
+    dgc += ["--dense-numel", "64"]  # the CNN's biases (and its 64-element layers) reduced dense
     out, ck = runs / "dgc", runs / "dgc_ck"
     run_mpi(
         2,
@@ -254,6 +256,7 @@ def test_dgc_techniques_are_recorded_and_checkpointed(runs):
     assert (m["clip_norm"], m["density_warmup"], m["warmup_density"]) == (5.0, 30, 0.25)
     saved = _load(ck.parent / f"{ck.name}.rank0.pt")
     assert saved["reducer"]["techniques"]["momentum_correction"] == 0.9
+    assert m["dense_numel"] == saved["reducer"]["techniques"]["dense_numel"] == 64
     vel = saved["reducer"]["velocity"]
     assert sorted(vel) == sorted(k for k in saved["model"] if k.endswith(("weight", "bias")))
     assert any(bool(v.abs().max() > 0) for v in vel.values())

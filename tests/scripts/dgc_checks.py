@@ -31,6 +31,7 @@ ALL_ON = {
     "clip_norm": 0.5,
     "density_warmup": 3,
     "warmup_density": 0.5,
+    "dense_numel": 4,  # the output layer's bias reduced dense
 }
 
 
@@ -167,6 +168,55 @@ def conservation(world, algorithm):
     return {"conservation_error": worst, "mask_ok": mask_ok, "masked": masked}
 
 
+def dense_small(world, algorithm):
+    """``dense_numel=32`` (both biases reduced dense) with momentum correction over P ranks:
+    each bias receives the mean of the ranks' velocities u (float32, to rounding), its
+    velocity is not masked and its residual stays zero; the weights conserve as sparse ones:
+    Σ_r (u_r + E_r,old) = P·out + Σ_r E_r,new there."""
+    from mpi4py import MPI
+
+    rank, P = world.Get_rank(), world.Get_size()
+    model = _mlp()
+    red = SparseGradientReducer(
+        model.named_parameters(),
+        world,
+        algorithm,
+        density=0.05,
+        momentum_correction=0.9,
+        dense_numel=32,
+    )
+    names = [k for k, _ in model.named_parameters()]
+    sizes = [p.numel() for p in model.parameters()]
+    offs = np.cumsum([0, *sizes])
+    small = np.zeros(offs[-1], bool)
+    for i, k in enumerate(names):
+        small[offs[i] : offs[i + 1]] = k.endswith("bias")
+    worst_mean, worst_cons, kept = 0.0, 0.0, True
+    u_prev = np.zeros(offs[-1])
+    for xb, yb in _batches(rank, 4):
+        model.zero_grad()
+        F.mse_loss(model(xb), yb).backward()
+        g = torch.cat([p.grad.flatten() for p in model.parameters()]).numpy().astype(np.float64)
+        e_old = np.asarray(red.allreducer.residual, np.float64).copy()
+        u = 0.9 * u_prev + g
+        out = red.reduce().to_dense().astype(np.float64)
+        e_new = np.asarray(red.allreducer.residual, np.float64)
+        mean = np.zeros_like(u)
+        world.Allreduce(u, mean, op=MPI.SUM)
+        mean /= P
+        worst_mean = max(worst_mean, float(np.max(np.abs(out - mean)[small])))
+        x = (u + e_old)[~small]
+        sx, se = np.zeros_like(x), np.zeros_like(x)
+        world.Allreduce(x, sx, op=MPI.SUM)
+        world.Allreduce(np.ascontiguousarray(e_new[~small]), se, op=MPI.SUM)
+        err = np.max(np.abs(sx - P * out[~small] - se)) / np.max(np.abs(sx))
+        worst_cons = max(worst_cons, float(err))
+        vel = np.concatenate([red.velocities()[k] for k in names]).astype(np.float64)
+        kept &= bool(np.allclose(vel[small], u[small], rtol=1e-5) and not e_new[small].any())
+        u_prev = vel
+    return {"mean_error": worst_mean, "conservation_error": worst_cons, "velocity_kept": kept}
+
+
 def main(out_path, world):
     torch.set_num_threads(1)
     init_process_group_from_mpi(world)
@@ -177,6 +227,7 @@ def main(out_path, world):
         results[f"density_one_{kind}"] = density_one(world, kind, "spardl")
         results[f"resume_{kind}"] = {a: resume(world, kind, a) for a in ("spardl", "oktopk")}
     results["conservation"] = {a: conservation(world, a) for a in ("spardl", "oktopk", "topka")}
+    results["dense_small"] = {a: dense_small(world, a) for a in ("spardl", "oktopk")}
     dist.destroy_process_group()
     if world.Get_rank() == 0:
         with open(out_path, "w") as f:
