@@ -50,6 +50,17 @@ CONFIGS = {
     "spardl-warmup": ["--algorithm", "spardl", "@warmup"],
     "spardl-dgc": ["--algorithm", "spardl", "--momentum-correction", "@clip", "@warmup"],
     "oktopk-dgc": ["--algorithm", "oktopk", "--momentum-correction", "@clip", "@warmup"],
+    # Parameters of at most 1024 elements (biases, LayerNorm) reduced dense, the rest sparsely.
+    "spardl-mc-dn": ["--algorithm", "spardl", "--momentum-correction", "--dense-numel", "1024"],
+    "spardl-mcw-dn": [
+        "--algorithm",
+        "spardl",
+        "--momentum-correction",
+        "@warmup",
+        "--dense-numel",
+        "1024",
+    ],
+    "topka-mc": ["--algorithm", "topka", "--momentum-correction"],
 }
 
 
