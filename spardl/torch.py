@@ -503,7 +503,9 @@ class _Core:
         self.n = 0
         self.flat = None
         self.small = []  # (start, end) of the parameters reduced dense (tech.dense_numel)
+        self.all_small = False  # every parameter reduced dense: every step is a dense one
         self.small_dense = None  # their dense allreducer
+        self._folded = []  # residual taken from the small slices this step (put back on failure)
 
     @property
     def stats(self) -> dict:
@@ -527,8 +529,11 @@ class _Core:
         self.flat = torch.zeros(self.n, dtype=dtype, device=device)
         o, limit = self.offsets, self.tech.dense_numel
         self.small = [(o[i], o[i + 1]) for i, m in enumerate(self.numels) if m <= limit]
-        if len(self.small) == len(self.numels):
-            self.small = []  # every parameter small: nothing is left to sparsify; no split
+        # Every parameter small (a whole model, or one DDP bucket in overlap mode): nothing is
+        # left to sparsify, and the whole vector is reduced dense on every step.
+        self.all_small = bool(self.numels) and len(self.small) == len(self.numels)
+        if self.all_small:
+            self.small = []
 
     def allreducer(self, dense: bool):
         if dense:
@@ -565,12 +570,21 @@ class _Core:
         With the techniques of :class:`_Techniques`, in this order: the density of this step
         (warm-up schedule), local clipping of the gradient, the velocity u ← m·u + g (which
         becomes the allreducer's input), the allreduce, and factor masking of u."""
-        dense = self.step < self.warmup_steps
+        dense = self.step < self.warmup_steps or self.all_small
         ar = self.allreducer(dense)
         before_density = self._warm_density(ar, dense)
         if self.tech.clip_norm is not None:
             self._clip()
         u_before, x_in = self._accumulate_velocity(ar, unused, dense)
+        keep = []
+        holder = self.sparse if not dense or self.all_small else None  # the residual's owner
+        if unused and holder is not None and holder.residual_mode != "none":
+            res = _tensor(holder.residual, self.flat)
+            keep = [(a, b, res[a:b].clone()) for a, b in unused]
+        self._folded = []
+        if self.all_small and self.step >= self.warmup_steps:
+            # Reduced dense for good: a residual a loaded state holds is sent now, not stranded.
+            self._folded = self._fold_small_residual(self.flat, [(0, self.n)])
         small = None
         if self.small and not dense:
             try:
@@ -582,10 +596,6 @@ class _Core:
                 self._undo(ar, u_before, before_density)
                 self.flat.zero_()  # the result, as a skipped sparse step leaves it
                 return self._empty()
-        keep = []
-        if not dense and unused and ar.residual_mode != "none":
-            res = _tensor(ar.residual, self.flat)
-            keep = [(a, b, res[a:b].clone()) for a, b in unused]
         buf = _vector(self.flat)
         _sync(self.flat)  # torch's writes to flat are done before the allreducer reads it
         skipped = ar.stats.get("skipped_steps", 0)
@@ -593,13 +603,15 @@ class _Core:
             out = ar(buf)
         except BaseException:
             self._undo(ar, u_before, before_density)
+            self._unfold_small_residual(self._folded)
             raise
         applied = ar.stats.get("skipped_steps", 0) == skipped
         if not applied:  # nonfinite="skip": as if the step had not been taken
             self._undo(ar, u_before, before_density)
+            self._unfold_small_residual(self._folded)
             x_in = None
         if keep:
-            res = _tensor(ar.residual, self.flat)  # the allreducer's own array: a view
+            res = _tensor(holder.residual, self.flat)  # the allreducer's own array: a view
             for a, b, v in keep:
                 res[a:b] = v
         out.to_dense(out=buf)  # into the flat buffer, on its device
@@ -621,12 +633,13 @@ class _Core:
 
     def _reduce_small(self, x_in):
         """The parameters of :attr:`small` (at most ``dense_numel`` elements each) reduced by a
-        dense allreduce (mean), taken out of the sparse allreducer's input (their slices of
-        ``flat`` become zeros, so the sparse part never selects them and their residual stays
-        as it is). Returns the reduced values (one tensor, the slices in order), or False when
-        they are not finite and ``nonfinite="skip"`` (every rank sees the same sums). With
-        momentum correction their velocity is kept, not masked: they are sent in full every
-        step, as momentum SGD does (``x_in``'s slices are zeroed so factor masking skips them).
+        dense allreduce (``op``: mean or sum), taken out of the sparse allreducer's input
+        (their slices of ``flat`` become zeros, so the sparse part never selects them; a
+        residual there is sent with them and cleared). Returns the reduced values (one
+        tensor, the slices in order), or False when they are not finite and
+        ``nonfinite="skip"`` (every rank sees the same sums). With momentum correction their
+        velocity is kept, not masked: they are sent in full every step, as momentum SGD does
+        (``x_in``'s slices are zeroed so factor masking skips them).
 
         Raises
         ------
@@ -637,20 +650,27 @@ class _Core:
 
         flat = self.flat
         parts = torch.cat([flat[a:b] for a, b in self.small])
+        # A residual there (a state saved with a smaller dense_numel, or none): sent now with
+        # the dense part and cleared, so nothing is lost and the sparse part never selects it.
+        folded = self._folded = self._fold_small_residual(parts)
         for a, b in self.small:
             flat[a:b].zero_()
             if x_in is not None:
                 x_in[a:b].zero_()
         if self.small_dense is None:
-            self.small_dense = make(
-                "dense", self.comm, len(parts), op="mean", nonfinite="propagate"
-            )
+            op = self.options.get("op", "mean")
+            self.small_dense = make("dense", self.comm, len(parts), op=op, nonfinite="propagate")
         buf = _vector(parts)
         _sync(parts)
-        self.small_dense(buf).to_dense(out=buf)
+        try:
+            self.small_dense(buf).to_dense(out=buf)
+        except BaseException:
+            self._unfold_small_residual(folded)
+            raise
         _sync(parts)
         mode = self.options.get("nonfinite", "raise")
         if mode != "propagate" and not bool(torch.isfinite(parts).all()):
+            self._unfold_small_residual(folded)
             if mode == "raise":
                 raise NonFiniteError(
                     f"the dense-reduced small parameters (dense_numel={self.tech.dense_numel}) "
@@ -659,6 +679,32 @@ class _Core:
             self.stats["skipped_steps"] = self.stats.get("skipped_steps", 0) + 1
             return False
         return parts
+
+    def _fold_small_residual(self, parts, slices=None):
+        """Add the sparse allreducer's residual on ``slices`` (default: the small ones) to
+        ``parts`` (their values one after the other) and clear it there; returns what was
+        taken [(start, end, values)] for :meth:`_unfold_small_residual` (empty when the
+        residual is zero there, as it is unless a loaded state put mass there)."""
+        ar = self.sparse
+        if ar is None or ar._residual is None:
+            return []
+        res = _tensor(ar.residual, self.flat)  # the allreducer's own array: a view
+        taken, start = [], 0
+        for a, b in self.small if slices is None else slices:
+            piece = res[a:b]
+            if bool(piece.any()):
+                taken.append((a, b, piece.clone()))
+                parts[start : start + b - a] += piece.to(parts.dtype)
+                piece.zero_()
+            start += b - a
+        return taken
+
+    def _unfold_small_residual(self, taken) -> None:
+        """Put back what :meth:`_fold_small_residual` took (a step that raised or was skipped)."""
+        if taken:
+            res = _tensor(self.sparse.residual, self.flat)
+            for a, b, v in taken:
+                res[a:b] = v
 
     def _result(self):
         """The reduced gradient in ``flat`` (sparse part and dense-reduced small parameters) as
@@ -1316,7 +1362,8 @@ class SparseHookState(_Front):
         parameter and checkpointed in :meth:`state_dict`.
     dense_numel : int, default 0
         Parameters with at most this many elements reduced dense, as in
-        :class:`SparseGradientReducer` (in overlap mode, within each bucket).
+        :class:`SparseGradientReducer` (in overlap mode bucket by bucket: a bucket of small
+        parameters only is reduced dense as a whole).
     overlap : bool, default False
         Reduce each DDP bucket as soon as DDP hands it over, on one communication thread, while
         backward computes the next buckets: the hook's future for a bucket completes when that
@@ -1750,8 +1797,10 @@ class SparseGradientReducer(_Front):
         Each step then runs one more (small) allreduce; the sparse allreducer never selects
         them (their slices of its input are zeros) and their residual is left as it is. With
         ``momentum_correction`` their velocity is kept (not factor-masked): they are sent in
-        full every step, which is momentum SGD. Applied on sparse steps; 0: off (every
-        parameter sparsified), also when every parameter is that small.
+        full every step, which is momentum SGD. With ``op="sum"`` they are summed. A
+        residual that a loaded state holds on them (saved with a smaller ``dense_numel``) is
+        sent with them at the next step. When every parameter is that small, every step is a
+        dense one. 0: off (every parameter sparsified).
     **options
         Passed to :func:`spardl.make` (``density``, ``teams``, ``residual``, ``op``, ...).
 

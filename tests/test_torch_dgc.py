@@ -197,6 +197,7 @@ def test_dense_numel_gives_small_parameters_the_mean_over_ranks(checks, algorith
     assert r["mean_error"] <= 1e-6, r
     assert r["conservation_error"] <= 1e-6, r
     assert r["velocity_kept"], r
+    assert r["sum_error"] <= 1e-6, r  # op="sum" sums the small parameters too
 
 
 def test_a_step_that_raises_leaves_the_velocity_as_it_was():
@@ -376,3 +377,54 @@ def test_a_nonfinite_small_parameter_rejects_the_whole_step(nonfinite):
     after = red.state_dict()
     before.pop("stats"), after.pop("stats")
     assert repr(_plain(after)) == repr(_plain(before))
+
+
+def test_a_residual_on_newly_small_parameters_is_sent_not_lost():
+    """A state saved with a smaller dense_numel holds residual on parameters that are now
+    reduced dense: the next step sends it with their dense part and clears it (nothing lost,
+    and the sparse part keeps all its k places for the large parameter)."""
+
+    def params():
+        return [torch.nn.Parameter(torch.zeros(1000)), torch.nn.Parameter(torch.zeros(8))]
+
+    ps = params()
+    before = st.SparseGradientReducer(ps, MPI.COMM_SELF, "topka", density=0.005)
+    ps[0].grad = torch.full((1000,), 0.01)
+    ps[1].grad = torch.arange(100.0, 108.0)
+    before.reduce()
+    held = before.residuals()["1"].copy()
+    assert held.any()  # k = 5 of 1008: some of the small parameter's mass stayed behind
+    ps2 = params()
+    after = st.SparseGradientReducer(ps2, MPI.COMM_SELF, "topka", density=0.005, dense_numel=8)
+    after.load_state_dict(before.state_dict())
+    big_res = after.residuals()["0"].copy()
+    ps2[0].grad = torch.full((1000,), 0.01)
+    ps2[1].grad = torch.zeros(8)
+    after.reduce()
+    np.testing.assert_array_equal(ps2[1].grad.numpy(), held)
+    assert not after.residuals()["1"].any()
+    assert int((ps2[0].grad != 0).sum()) == 5
+    # Conservation over the large parameter: input + old residual = output + new residual.
+    np.testing.assert_allclose(
+        ps2[0].grad.numpy() + after.residuals()["0"], 0.01 + big_res, rtol=1e-6
+    )
+
+
+def test_a_model_of_small_parameters_only_is_reduced_dense():
+    """Every parameter at most dense_numel elements: every step is a dense one (the values a
+    top-k would drop arrive too), also for one DDP bucket of small parameters in overlap mode,
+    where each bucket has its own layout."""
+    a, b = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3))
+    red = st.SparseGradientReducer([a, b], MPI.COMM_SELF, "topka", density=0.1, dense_numel=5)
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        ga, gb = (
+            rng.standard_normal(5).astype(np.float32),
+            rng.standard_normal(3).astype(np.float32),
+        )
+        a.grad, b.grad = torch.from_numpy(ga.copy()), torch.from_numpy(gb.copy())
+        out = red.reduce()
+        np.testing.assert_array_equal(a.grad.numpy(), ga)
+        np.testing.assert_array_equal(b.grad.numpy(), gb)
+        np.testing.assert_array_equal(out.to_dense(), np.concatenate([ga, gb]))
+    assert not any(v.any() for v in red.residuals().values())

@@ -214,7 +214,24 @@ def dense_small(world, algorithm):
         vel = np.concatenate([red.velocities()[k] for k in names]).astype(np.float64)
         kept &= bool(np.allclose(vel[small], u[small], rtol=1e-5) and not e_new[small].any())
         u_prev = vel
-    return {"mean_error": worst_mean, "conservation_error": worst_cons, "velocity_kept": kept}
+    # op="sum": the small parameters are summed like the rest, not averaged.
+    summed = SparseGradientReducer(
+        model.named_parameters(), world, algorithm, density=0.05, dense_numel=32, op="sum"
+    )
+    model.zero_grad()
+    xb, yb = _batches(rank, 1)[0]
+    F.mse_loss(model(xb), yb).backward()
+    g = torch.cat([p.grad.flatten() for p in model.parameters()]).numpy().astype(np.float64)
+    total = np.zeros_like(g)
+    world.Allreduce(g, total, op=MPI.SUM)
+    out = summed.reduce().to_dense().astype(np.float64)
+    sum_error = float(np.max(np.abs(out - total)[small]) / np.max(np.abs(total[small])))
+    return {
+        "mean_error": worst_mean,
+        "conservation_error": worst_cons,
+        "velocity_kept": kept,
+        "sum_error": sum_error,
+    }
 
 
 def main(out_path, world):
