@@ -505,7 +505,6 @@ class _Core:
         self.small = []  # (start, end) of the parameters reduced dense (tech.dense_numel)
         self.all_small = False  # every parameter reduced dense: every step is a dense one
         self.small_dense = None  # their dense allreducer
-        self._folded = []  # residual taken from the small slices this step (put back on failure)
 
     @property
     def stats(self) -> dict:
@@ -581,19 +580,24 @@ class _Core:
         if unused and holder is not None and holder.residual_mode != "none":
             res = _tensor(holder.residual, self.flat)
             keep = [(a, b, res[a:b].clone()) for a, b in unused]
-        self._folded = []
+        # A residual on what is now reduced dense (a loaded state saved with a smaller
+        # dense_numel): sent with it and cleared, so nothing is lost or left stranded, and put
+        # back if the step raises or is skipped.
+        folded, small = [], None
         if self.all_small and self.step >= self.warmup_steps:
-            # Reduced dense for good: a residual a loaded state holds is sent now, not stranded.
-            self._folded = self._fold_small_residual(self.flat, [(0, self.n)])
-        small = None
+            folded = self._fold_residual(self.flat, [(0, self.n)])
         if self.small and not dense:
+            small = torch.cat([self.flat[a:b] for a, b in self.small])
+            folded = self._fold_residual(small, self.small)
             try:
-                small = self._reduce_small(x_in)
+                small = self._reduce_small(small, x_in)
             except BaseException:
                 self._undo(ar, u_before, before_density)
+                self._unfold_residual(folded)
                 raise
             if small is False:  # nonfinite="skip": the whole step is dropped
                 self._undo(ar, u_before, before_density)
+                self._unfold_residual(folded)
                 self.flat.zero_()  # the result, as a skipped sparse step leaves it
                 return self._empty()
         buf = _vector(self.flat)
@@ -603,12 +607,12 @@ class _Core:
             out = ar(buf)
         except BaseException:
             self._undo(ar, u_before, before_density)
-            self._unfold_small_residual(self._folded)
+            self._unfold_residual(folded)
             raise
         applied = ar.stats.get("skipped_steps", 0) == skipped
         if not applied:  # nonfinite="skip": as if the step had not been taken
             self._undo(ar, u_before, before_density)
-            self._unfold_small_residual(self._folded)
+            self._unfold_residual(folded)
             x_in = None
         if keep:
             res = _tensor(holder.residual, self.flat)  # the allreducer's own array: a view
@@ -631,12 +635,12 @@ class _Core:
             self.step += 1
         return out
 
-    def _reduce_small(self, x_in):
-        """The parameters of :attr:`small` (at most ``dense_numel`` elements each) reduced by a
-        dense allreduce (``op``: mean or sum), taken out of the sparse allreducer's input
-        (their slices of ``flat`` become zeros, so the sparse part never selects them; a
-        residual there is sent with them and cleared). Returns the reduced values (one
-        tensor, the slices in order), or False when they are not finite and
+    def _reduce_small(self, parts, x_in):
+        """``parts``, the parameters of :attr:`small` (at most ``dense_numel`` elements each,
+        their slices one after the other), reduced in place by a dense allreduce (``op``: mean
+        or sum) and taken out of the sparse allreducer's input (their slices of ``flat`` become
+        zeros, so the sparse part never selects them). Returns ``parts``, or False when the
+        reduced values are not finite and
         ``nonfinite="skip"`` (every rank sees the same sums). With momentum correction their
         velocity is kept, not masked: they are sent in full every step, as momentum SGD does
         (``x_in``'s slices are zeroed so factor masking skips them).
@@ -648,13 +652,8 @@ class _Core:
         """
         from .algorithms.base import NonFiniteError
 
-        flat = self.flat
-        parts = torch.cat([flat[a:b] for a, b in self.small])
-        # A residual there (a state saved with a smaller dense_numel, or none): sent now with
-        # the dense part and cleared, so nothing is lost and the sparse part never selects it.
-        folded = self._folded = self._fold_small_residual(parts)
         for a, b in self.small:
-            flat[a:b].zero_()
+            self.flat[a:b].zero_()
             if x_in is not None:
                 x_in[a:b].zero_()
         if self.small_dense is None:
@@ -662,15 +661,10 @@ class _Core:
             self.small_dense = make("dense", self.comm, len(parts), op=op, nonfinite="propagate")
         buf = _vector(parts)
         _sync(parts)
-        try:
-            self.small_dense(buf).to_dense(out=buf)
-        except BaseException:
-            self._unfold_small_residual(folded)
-            raise
+        self.small_dense(buf).to_dense(out=buf)
         _sync(parts)
         mode = self.options.get("nonfinite", "raise")
         if mode != "propagate" and not bool(torch.isfinite(parts).all()):
-            self._unfold_small_residual(folded)
             if mode == "raise":
                 raise NonFiniteError(
                     f"the dense-reduced small parameters (dense_numel={self.tech.dense_numel}) "
@@ -680,17 +674,17 @@ class _Core:
             return False
         return parts
 
-    def _fold_small_residual(self, parts, slices=None):
-        """Add the sparse allreducer's residual on ``slices`` (default: the small ones) to
-        ``parts`` (their values one after the other) and clear it there; returns what was
-        taken [(start, end, values)] for :meth:`_unfold_small_residual` (empty when the
-        residual is zero there, as it is unless a loaded state put mass there)."""
+    def _fold_residual(self, parts, slices):
+        """Add the sparse allreducer's residual on ``slices`` to ``parts`` (their values one
+        after the other) and clear it there; returns what was taken [(start, end, values)] for
+        :meth:`_unfold_residual` (empty when the residual is zero there, as it is unless a
+        loaded state put mass there)."""
         ar = self.sparse
         if ar is None or ar._residual is None:
             return []
         res = _tensor(ar.residual, self.flat)  # the allreducer's own array: a view
         taken, start = [], 0
-        for a, b in self.small if slices is None else slices:
+        for a, b in slices:
             piece = res[a:b]
             if bool(piece.any()):
                 taken.append((a, b, piece.clone()))
@@ -699,8 +693,8 @@ class _Core:
             start += b - a
         return taken
 
-    def _unfold_small_residual(self, taken) -> None:
-        """Put back what :meth:`_fold_small_residual` took (a step that raised or was skipped)."""
+    def _unfold_residual(self, taken) -> None:
+        """Put back what :meth:`_fold_residual` took (a step that raised or was skipped)."""
         if taken:
             res = _tensor(self.sparse.residual, self.flat)
             for a, b, v in taken:
@@ -1791,7 +1785,7 @@ class SparseGradientReducer(_Front):
         ``density``; given only with ``density_warmup`` > 0 (default then: 0.25).
     dense_numel : int, default 0
         Parameters with at most this many elements (biases, normalisation gains and shifts)
-        are reduced by a dense allreduce (mean) instead of the sparse one, as PowerSGD and
+        are reduced by a dense allreduce instead of the sparse one, as PowerSGD and
         PyTorch's PowerSGD hook leave 1-D tensors uncompressed: they are a small share of n
         but rarely win a place in a global top-k, where each element of theirs matters more.
         Each step then runs one more (small) allreduce; the sparse allreducer never selects
