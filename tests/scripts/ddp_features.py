@@ -97,7 +97,7 @@ def _run(world, feature: str, density: float | None):
                 F.mse_loss(net(data[i + 1][0]), data[i + 1][1]).backward()
                 opt.step()
         else:
-            for x, y in data if (not join or rank < STEPS) else []:
+            for x, y in data:
                 opt.zero_grad()
                 F.mse_loss(net(x), y).backward()
                 opt.step()
@@ -112,31 +112,23 @@ def feature_row(world, feature: str) -> dict:
     ref, _ = _run(world, feature, None)
     one, _ = _run(world, feature, 1.0)
     sparse, (before, after) = _run(world, feature, 0.01)
-    a, b = _flat(one), _flat(ref)
+    a, b, init = _flat(one), _flat(ref), _flat(_model(feature))
     scale = float(b.abs().max())
     mine = _flat(sparse).numpy().tobytes()
-    first = world.bcast(mine, root=0)
-    in_sync = bool(world.allreduce(int(mine == first), op=_min()) == 1)
+    in_sync = all(world.allgather(mine == world.bcast(mine, root=0)))
     frozen_moved = None
-    if feature == "frozen layer":
-        frozen_moved = float(
-            (_flat(sparse)[: 16 * 48 + 48] - _flat(_model(feature))[: 16 * 48 + 48]).abs().max()
-        )
+    if feature == "frozen layer":  # the first Linear's weight and bias lead the flat vector
+        first = sum(p.numel() for p in sparse[0].parameters())
+        frozen_moved = float((_flat(sparse)[:first] - init[:first]).abs().max())
     return {
         "bit_equal": a.numpy().tobytes() == b.numpy().tobytes(),
         "max_diff": float((a - b).abs().max()) / max(scale, 1e-30),
-        "moved": float((b - _flat(_model(feature))).abs().max()),
+        "moved": float((b - init).abs().max()),
         "loss_before": world.allreduce(before) / world.Get_size(),
         "loss_after": world.allreduce(after) / world.Get_size(),
         "in_sync": in_sync,
         "frozen_moved": frozen_moved,
     }
-
-
-def _min():
-    from mpi4py import MPI
-
-    return MPI.MIN
 
 
 def main(out_path, world):
