@@ -464,6 +464,28 @@ def _checked_state(state, algorithm: str) -> dict:
     return state
 
 
+def _raise_after_backward(err: BaseException) -> None:
+    """Raise ``err`` from the running backward pass once DDP has finished it, or at once
+    outside a backward pass (a direct call of the hook).
+
+    An exception raised inside a communication hook leaves DDP's reducer in the middle of its
+    iteration: the next forward pass then fails inside DDP (an internal assertion) and the
+    model cannot train on. So the hook completes every future (the caller zeroes what was not
+    reduced) and raises through the autograd engine's final callbacks instead: DDP queues its
+    own (which finishes the iteration) after the last bucket's hook returns, and callbacks
+    queued while callbacks run go to the end of the list, so a callback that queues the raise
+    runs it after DDP's."""
+    engine = torch.autograd.Variable._execution_engine
+
+    def reraise():
+        raise err
+
+    try:
+        engine.queue_callback(lambda: engine.queue_callback(reraise))
+    except RuntimeError:  # not inside a backward pass
+        raise err from None
+
+
 def _raise_everywhere(ctl: Comm, err) -> None:
     """After a control allreduce said some rank failed: raise on every rank, naming the first."""
     reports = ctl.allgather_object(None if err is None else (type(err).__name__, str(err)))
@@ -1463,7 +1485,7 @@ class SparseHookState(_Front):
         self._params = None
         self._used = None
         self._index = None  # parameter id -> position (keys of unnamed parameters)
-        self._futures = []  # overlap mode: this iteration's futures
+        self._errors = []  # overlap mode: this iteration's errors, from the communication thread
         self._inflight = []
         self._checked = False
         if model is not None:
@@ -1545,10 +1567,12 @@ class SparseHookState(_Front):
         inflight, self._inflight = self._inflight, []
         try:
             self._reduce(inflight)
-        except BaseException as e:
-            for _, _, f in inflight[:-1]:
-                f.set_exception(e)
-            raise
+        except Exception as e:  # noqa: BLE001 - raised once DDP has finished the backward
+            for buf, _, f in inflight:
+                buf.zero_()  # nothing of this step is applied: the gradients read as zero
+                f.set_result(buf)
+            _raise_after_backward(e)
+            return fut
         for buf, _, f in inflight:
             f.set_result(buf)
         return fut
@@ -1579,7 +1603,7 @@ class SparseHookState(_Front):
         keys = [self._name(p, self._index[id(p)]) for p in params]
         numels = [p.numel() for p in params]
         fut = _future(buf)
-        work = functools.partial(
+        reduce = functools.partial(
             self._core.reduce_bucket,
             bucket.index(),
             buf,
@@ -1590,16 +1614,24 @@ class SparseHookState(_Front):
             bucket.is_last(),
             self._check_group,
         )
+
+        def work():
+            try:
+                return reduce()
+            except Exception as e:  # noqa: BLE001 - raised at the last bucket, after backward
+                self._errors.append(e)
+                buf.zero_()  # this bucket's step is not applied: its gradients read as zero
+                return buf
+
         self._core.submit(work, fut)
-        self._futures.append(fut)
         if bucket.is_last():
             # Backward has computed every bucket: wait for the last reductions here (DDP would
-            # wait right after), so that an error raises from the hook with its own type, on
-            # every rank (each bucket's future holds its own outcome as well).
-            futures, self._futures = self._futures, []
+            # wait right after), so that an error raises from backward with its own type, on
+            # every rank.
             self._core.drain()
-            for f in futures:
-                f.wait()
+            errors, self._errors = self._errors, []
+            if errors:
+                _raise_after_backward(errors[0])
         return fut
 
     def _reduce(self, inflight) -> None:
@@ -1720,6 +1752,12 @@ def sparse_allreduce_hook(state: SparseHookState, bucket) -> torch.futures.Futur
         (size and rank), e.g. under torchrun.
     TypeError
         On every rank, if a parameter has a sparse gradient.
+    spardl.NonFiniteError
+        On every rank, with ``nonfinite="raise"``, if the reduced gradient holds NaN or Inf.
+
+    Errors found while reducing come out of ``backward()`` after DDP has finished the iteration
+    (an autograd final callback), with the buckets that were not reduced zeroed, so DDP stays
+    usable: catch the error, skip ``optimizer.step()``, and go on with the next batch.
 
     Notes
     -----

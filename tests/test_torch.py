@@ -264,6 +264,20 @@ def test_sparse_gradient_is_a_type_error_on_every_rank(checks, algorithm):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["default", "overlap"])
+def test_ddp_trains_on_after_a_nonfinite_error(checks, mode):
+    """An error raised by the hook leaves DDP usable: the iteration that raised has zero
+    gradients on every rank, the next three run, move the parameters and keep them in sync."""
+    r = checks["trains_on_after_an_error"][mode]
+    for outcomes in r["outcomes"]:
+        assert outcomes == ["ok", "ok", "NonFiniteError", "ok", "ok"]
+    assert r["zero_grads"] == [True, True]
+    for moved in r["moved"]:
+        assert len(moved) == 4 and min(moved) > 0
+    assert r["same_everywhere"] and r["finite"]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("algorithm", SPARSE_ALGORITHMS)
 def test_reducer_leaves_unused_and_frozen_parameters_alone(checks, algorithm):
     r = checks["issue"][algorithm]["frozen"]

@@ -530,6 +530,51 @@ def option_errors(world, algorithm):
     return out
 
 
+def trains_on_after_an_error(world, algorithm):
+    """nonfinite="raise" with DDP, a NaN in rank 0's input at iteration 2 (of 5), the error
+    caught by the training loop: backward raises NonFiniteError on every rank, the gradients
+    of that iteration are zero, and the next iterations run and train as usual (DDP's reducer
+    is left in a usable state), in the default and the overlap mode, on several buckets."""
+    rank = world.Get_rank()
+    out = {}
+    for overlap in (False, True):
+        model = _small_mlp(7)
+        net = DDP(model, bucket_cap_mb=0.001)  # several buckets
+        st = SparseHookState(
+            world, algorithm, warmup_steps=0, density=0.2, model=model, overlap=overlap
+        )
+        net.register_comm_hook(st, sparse_allreduce_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        outcomes, zero_grads, moved = [], None, []
+        for it, (x, y) in enumerate(_mlp_batches(rank, 5)):
+            if it == 2 and rank == 0:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            before = torch.cat([p.detach().flatten() for p in model.parameters()])
+            opt.zero_grad()
+            try:
+                F.mse_loss(net(x), y).backward()
+            except spardl.NonFiniteError:
+                outcomes.append("NonFiniteError")
+                zero_grads = all(bool((p.grad == 0).all()) for p in model.parameters())
+                continue
+            opt.step()
+            outcomes.append("ok")
+            after = torch.cat([p.detach().flatten() for p in model.parameters()])
+            moved.append(float((after - before).abs().max()))
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        out["overlap" if overlap else "default"] = {
+            "outcomes": world.allgather(outcomes),
+            "zero_grads": world.allgather(zero_grads),
+            "moved": world.allgather(moved),
+            "same_everywhere": _same_everywhere(world, flat),
+            "finite": bool(torch.isfinite(flat).all()),
+            "steps": st.step,
+        }
+        st.close()
+    return out
+
+
 def issue_checks(world):
     torch.manual_seed(0)
     out = {"launch_mismatch": launch_mismatch(world)}
@@ -559,6 +604,7 @@ def main(out_path, algorithm, world):
         "ddp_sparse_trains": ddp_sparse_trains(world, algorithm),
         "bucket_layouts": bucket_layouts(world, algorithm),
         "reducer": reducer_writes_back(world, algorithm),
+        "trains_on_after_an_error": trains_on_after_an_error(world, algorithm),
         "issue": issue_checks(world),
     }
     oks = world.allgather(results["rank_matches_mpi"])
