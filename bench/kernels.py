@@ -83,6 +83,29 @@ def _time_dense_kernels(x, k, t_kth, repeat, torch):
     return rows
 
 
+def _plain_merge():
+    """A floor for merge_add: the plainest branch-free merge of two sorted (index, value) lists
+    (one output per step, the sum where indices meet), without the sorted-unique check, the NaN
+    rule or the two interleaved parts; compiled on first use."""
+    from numba import njit
+
+    @njit(nogil=True, cache=True)
+    def plain_merge(ia, va, ib, vb, out_i, out_v):
+        a = b = o = 0
+        while a < ia.shape[0] and b < ib.shape[0]:
+            x, y = ia[a], ib[b]
+            ta, tb = x <= y, y <= x
+            u, w = va[a], vb[b]
+            out_i[o] = min(x, y)
+            out_v[o] = (u + w) if (ta and tb) else (u if ta else w)
+            a += ta
+            b += tb
+            o += 1
+        return o
+
+    return plain_merge
+
+
 def _time_sparse_kernels(rows, repeat):
     """Add to ``rows`` the median seconds of merge_add and coalesce and their peers."""
     # merge of two sorted lists of 250,000 (int64, float32) pairs each
@@ -102,6 +125,8 @@ def _time_sparse_kernels(rows, repeat):
 
     rows["np.copyto(pair bytes)"] = timeit(lambda: np.copyto(pair_dst, pair_bytes), repeat)
     rows["merge_add 2x250k"] = timeit(lambda: sk.merge_add(ia, va, ib, vb), repeat)
+    plain, out_i, out_v = _plain_merge(), np.empty(2 * m, np.int64), np.empty(2 * m, np.float32)
+    rows["plain merge loop 2x250k"] = timeit(lambda: plain(ia, va, ib, vb, out_i, out_v), repeat)
     rows["np.unique+np.add.at 2x250k"] = timeit(unique_add_at, repeat)
     ci = np.concatenate([ia, ib])
     cv = np.concatenate([va, vb])
@@ -131,6 +156,11 @@ def _ratios(rows):
             "merge_add / copyto(same bytes)",
             rows["merge_add 2x250k"] / rows["np.copyto(pair bytes)"],
             "<= 3",
+        ),
+        (
+            "plain merge loop / copyto(same bytes)",
+            rows["plain merge loop 2x250k"] / rows["np.copyto(pair bytes)"],
+            "report",
         ),
         (
             "merge_add / (unique+add.at)",
