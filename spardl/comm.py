@@ -884,7 +884,11 @@ class Comm:
         self._clocked.Bcast(_mpi_buffer(buf), root=root)
         if self.rank != root:
             self._wire_result(buf, device, into=x)
-        self._acct.sent(x.nbytes * (self.size - 1) // self.size, -1, "bcast")
+        # A broadcast moves (P - 1)·m bytes in all; each rank is charged its share, the
+        # remainder of the division one byte each to the ranks after the root, so the ranks'
+        # bytes sent add up to their bytes received.
+        share, extra = divmod(x.nbytes * (self.size - 1), self.size)
+        self._acct.sent(share + int((self.rank - root) % self.size < extra), -1, "bcast")
         if self.rank != root:
             self._acct.received(x.nbytes)
         return x

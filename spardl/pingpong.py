@@ -18,6 +18,7 @@ path the allreducers' one-way messages take.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 
@@ -58,10 +59,15 @@ def pingpong(comm, sizes=DEFAULT_SIZES, repeat: int | None = None, warmup: int =
     Raises
     ------
     ValueError
-        If the communicator has fewer than 2 ranks or a size is < 1 (on every rank).
+        If the communicator has fewer than 2 ranks, ``sizes`` is empty or holds a size < 1,
+        ``repeat`` < 1 or ``warmup`` < 0 (on every rank: the arguments are the same everywhere).
+    TypeError
+        If a size, ``repeat`` (unless None) or ``warmup`` is not an integer (bool included),
+        naming it.
     """
     from .comm import Comm
 
+    _check_pingpong_args(sizes, repeat, warmup)
     if isinstance(comm, Comm):
         return _pingpong(comm, sizes, repeat, warmup)
     c = Comm(comm)
@@ -71,12 +77,30 @@ def pingpong(comm, sizes=DEFAULT_SIZES, repeat: int | None = None, warmup: int =
         c.free()
 
 
+def _check_pingpong_args(sizes, repeat, warmup) -> None:
+    """The argument checks of :func:`pingpong`, before any communication."""
+    from ._checks import check_int
+
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise TypeError(f"sizes must be a sequence of byte counts, got {type(sizes).__name__}")
+    sizes = list(sizes)
+    for v in sizes:
+        check_int("sizes", v)
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"sizes must be positive byte counts, got {sizes}")
+    if repeat is not None:
+        check_int("repeat", repeat)
+        if repeat < 1:
+            raise ValueError(f"repeat must be >= 1 (or None), got {repeat}")
+    check_int("warmup", warmup)
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+
+
 def _pingpong(c, sizes, repeat, warmup):
     sizes = [int(s) for s in sizes]
     if c.size < 2:
         raise ValueError(f"pingpong needs at least 2 ranks (run under mpiexec -n 2), got {c.size}")
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"sizes must be positive byte counts, got {sizes}")
     out = []
     for size in sizes:
         buf = np.zeros(size, dtype=np.uint8)
@@ -240,7 +264,19 @@ def run(args, world) -> int:
     ``args`` has ``sizes`` (list of int or None), ``repeat``, ``json`` (path or None) and
     ``no_gamma``.
     """
+    from .cli.common import UsageError
+
     sizes = args.sizes or DEFAULT_SIZES
+    if world.Get_size() < 2:
+        raise UsageError(
+            f"bench pingpong needs at least 2 ranks (run under mpiexec -n 2), got "
+            f"{world.Get_size()}"
+        )
+    if args.json:  # a path rank 0 cannot write fails now, not after the measurement
+        where = os.path.dirname(os.path.abspath(args.json))
+        ok = os.path.isdir(where) and os.access(where, os.W_OK) if world.Get_rank() == 0 else None
+        if not world.bcast(ok, root=0):
+            raise UsageError(f"--json: cannot write {args.json} (no such writable directory)")
     rows = pingpong(world, sizes, repeat=args.repeat)
     alpha, beta = fit_alpha_beta([s for s, _ in rows], [t for _, t in rows])
     gamma = None if args.no_gamma else fit_gamma()

@@ -170,6 +170,66 @@ def test_pingpong_needs_two_ranks_given_an_mpi4py_communicator_or_a_comm():
 
 
 @pytest.mark.parametrize(
+    "kwargs, kind, message",
+    [
+        ({"repeat": 0}, ValueError, "repeat must be >= 1"),
+        ({"repeat": -3}, ValueError, "repeat must be >= 1"),
+        ({"repeat": 2.5}, TypeError, "repeat must be an integer"),
+        ({"repeat": True}, TypeError, "repeat must be an integer"),
+        ({"repeat": "2"}, TypeError, "repeat must be an integer"),
+        ({"warmup": -1}, ValueError, "warmup must be >= 0"),
+        ({"warmup": None}, TypeError, "warmup must be an integer"),
+        ({"sizes": []}, ValueError, "sizes must be positive"),
+        ({"sizes": [8, 0]}, ValueError, "sizes must be positive"),
+        ({"sizes": [8.0]}, TypeError, "sizes must be an integer"),
+        ({"sizes": "8"}, TypeError, "sizes must be a sequence"),
+    ],
+)
+def test_pingpong_rejects_bad_arguments_before_measuring(kwargs, kind, message):
+    """Bad ``sizes``, ``repeat`` or ``warmup``: an error naming the argument (raised before the
+    rank count is looked at, so the same on every rank), never timings of 0 s."""
+    from mpi4py import MPI
+
+    from spardl.pingpong import pingpong
+
+    args = {"sizes": [8], **kwargs}
+    with pytest.raises(kind, match=message):
+        pingpong(MPI.COMM_SELF, **args)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--repeat", "0"], "argument --repeat: must be an integer >= 1, got 0"),
+        (["--sizes", "8,0"], "argument --sizes: must be comma-separated byte counts >= 1"),
+        (["--sizes", "abc"], "argument --sizes: expected comma-separated byte counts >= 1"),
+    ],
+)
+def test_bench_pingpong_usage_errors(argv, message, capsys):
+    from spardl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "pingpong", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sizes", "8"], "bench pingpong needs at least 2 ranks"),
+        (["--sizes", "8", "--json", "/nonexistent-dir/pp.json"], "--json: cannot write"),
+    ],
+)
+def test_bench_pingpong_run_time_usage_errors(argv, message):
+    """Found before any measurement: one line and status 2 (one rank, then two)."""
+    n = 1 if "--json" not in argv else 2
+    proc = run_mpi(n, ["-m", "spardl", "bench", "pingpong", *argv], timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
     "argv, prog",
     [
         (["train", "--bogus"], "spardl train"),

@@ -18,7 +18,7 @@ import json
 import math
 import sys
 
-from .common import run_collective
+from .common import POSITIVE_INT, option_type, run_collective
 
 __all__ = [
     "MODELS",
@@ -359,6 +359,15 @@ def model_main(args) -> int:
     return 0
 
 
+def _byte_sizes(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+BYTE_SIZES = option_type(
+    _byte_sizes, lambda v: bool(v) and min(v) >= 1, "comma-separated byte counts >= 1"
+)
+
+
 def add_bench(sub) -> None:
     """Register ``spardl bench`` with its ``pingpong`` subcommand."""
     p = sub.add_parser("bench", help="micro-benchmarks (bench pingpong: fit alpha and beta)")
@@ -371,10 +380,10 @@ def add_bench(sub) -> None:
     )
     q.add_argument(
         "--sizes",
-        type=lambda s: [int(v) for v in s.split(",") if v],
+        type=BYTE_SIZES,
         help="comma-separated byte sizes (default: 8, 16, ..., 4194304)",
     )
-    q.add_argument("--repeat", type=int, default=None, help="round trips per size")
+    q.add_argument("--repeat", type=POSITIVE_INT, default=None, help="round trips per size")
     q.add_argument("--json", metavar="PATH", help="write alpha, beta, gamma and the rows")
     q.add_argument("--no-gamma", action="store_true", help="skip the merge-kernel timing")
     q.set_defaults(func=_cmd_pingpong)

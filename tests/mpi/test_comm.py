@@ -47,6 +47,23 @@ def test_object_collectives_match_mpi4py_and_count_only_as_control(comm):
     c.free()
 
 
+def test_bcast_bytes_sent_add_up_to_bytes_received(comm):
+    """Over every rank, a broadcast's bytes sent equal its bytes received, (P - 1)·m, for sizes
+    that P does not divide and every root."""
+    c = Comm(comm)
+    P = c.size
+    for m in (1, 7, 1000, 1001):
+        for root in range(P):
+            _, sent0, recv0, _ = _counters(c)
+            x = np.full(m, c.rank, np.uint8)
+            c.bcast(x, root)
+            assert (x == root).all()
+            _, sent1, recv1, _ = _counters(c)
+            total = comm.allreduce(np.array([sent1 - sent0, recv1 - recv0]))
+            assert total[0] == total[1] == (P - 1) * m
+    c.free()
+
+
 def test_mpi_clock_counts_the_calls_of_its_block(comm):
     c = Comm(comm)
     sub = c.split(0, c.rank)  # shares c's accounting, so its calls are clocked too
