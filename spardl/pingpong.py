@@ -92,6 +92,13 @@ def _check_pingpong_args(sizes, repeat, warmup) -> None:
         check_int("repeat", repeat)
         if repeat < 1:
             raise ValueError(f"repeat must be >= 1 (or None), got {repeat}")
+    _check_warmup(warmup)
+
+
+def _check_warmup(warmup) -> None:
+    """Untimed rounds of :func:`pingpong` and :func:`ring_beta`: an integer >= 0."""
+    from ._checks import check_int
+
     check_int("warmup", warmup)
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
@@ -164,9 +171,7 @@ def ring_beta(comm, size: int = 1 << 22, repeat: int = 5, warmup: int = 1) -> fl
         check_int(name, v)
         if v < lo or (hi is not None and v > hi):
             raise ValueError(f"{name} must be in [{lo}, {hi or 'inf'}], got {v}")
-    check_int("warmup", warmup)
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    _check_warmup(warmup)
     c = comm if isinstance(comm, Comm) else Comm(comm)
     try:
         if c.size < 2:

@@ -215,16 +215,15 @@ def test_bench_pingpong_usage_errors(argv, message, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    "P, argv, message",
     [
-        (["--sizes", "8"], "bench pingpong needs at least 2 ranks"),
-        (["--sizes", "8", "--json", "/nonexistent-dir/pp.json"], "--json: cannot write"),
+        (1, ["--sizes", "8"], "bench pingpong needs at least 2 ranks"),
+        (2, ["--sizes", "8", "--json", "/nonexistent-dir/pp.json"], "--json: cannot write"),
     ],
 )
-def test_bench_pingpong_run_time_usage_errors(argv, message):
-    """Found before any measurement: one line and status 2 (one rank, then two)."""
-    n = 1 if "--json" not in argv else 2
-    proc = run_mpi(n, ["-m", "spardl", "bench", "pingpong", *argv], timeout=60, check=False)
+def test_bench_pingpong_run_time_usage_errors(P, argv, message):
+    """Found before any measurement: one line and status 2."""
+    proc = run_mpi(P, ["-m", "spardl", "bench", "pingpong", *argv], timeout=60, check=False)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
