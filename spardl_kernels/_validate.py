@@ -18,14 +18,19 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def require(ok, name, message, exc=ValueError):
-    """Raise ``exc(f"{name}: {message}")`` unless ``ok``."""
+    """Raise ``exc(f"{name}: {message}")`` unless ``ok``.
+
+    ``message`` may be a function of no arguments that returns it, called only on failure:
+    formatting a dtype or a shape costs microseconds, and these checks run on every kernel
+    call.
+    """
     if not ok:
-        raise exc(f"{name}: {message}")
+        raise exc(f"{name}: {message() if callable(message) else message}")
 
 
 def check_ndim(name, ndim):
     """A kernel argument must be 1-D."""
-    require(ndim == 1, name, f"expected a 1-D array, got ndim={ndim}")
+    require(ndim == 1, name, lambda: f"expected a 1-D array, got ndim={ndim}")
 
 
 def check_values(name, ndim, dtype):
@@ -35,7 +40,7 @@ def check_values(name, ndim, dtype):
     require(
         dtype in VALUE_DTYPES,
         name,
-        f"dtype must be float16, float32 or float64, got {dtype}",
+        lambda: f"dtype must be float16, float32 or float64, got {dtype}",
         TypeError,
     )
 
@@ -44,7 +49,9 @@ def check_indices(name, ndim, dtype):
     """An index array: 1-D, int32 or int64 (native byte order)."""
     check_ndim(name, ndim)
     dtype = np.dtype(dtype)
-    require(dtype in INDEX_DTYPES, name, f"dtype must be int32 or int64, got {dtype}", TypeError)
+    require(
+        dtype in INDEX_DTYPES, name, lambda: f"dtype must be int32 or int64, got {dtype}", TypeError
+    )
 
 
 def check_int(name, value):
@@ -61,14 +68,14 @@ def check_int(name, value):
 def check_k(k, n):
     """``k`` is an integer with 0 <= k <= n; returns it as ``int``."""
     k = check_int("k", k)
-    require(0 <= k <= n, "k", f"must satisfy 0 <= k <= n = {n}, got k={k}")
+    require(0 <= k <= n, "k", lambda: f"must satisfy 0 <= k <= n = {n}, got k={k}")
     return k
 
 
 def check_k_positive(k, n):
     """``k`` is an integer with 1 <= k <= n (kth_largest_abs); returns it as ``int``."""
     k = check_int("k", k)
-    require(1 <= k <= n, "k", f"must satisfy 1 <= k <= n = {n}, got k={k}")
+    require(1 <= k <= n, "k", lambda: f"must satisfy 1 <= k <= n = {n}, got k={k}")
     return k
 
 
@@ -81,12 +88,14 @@ def check_index_dtype(index_dtype, n):
         dt = np.dtype(index_dtype)
     except TypeError:
         raise TypeError(f"index_dtype: expected int32 or int64, got {index_dtype!r}") from None
-    require(dt in INDEX_DTYPES, "index_dtype", f"expected int32 or int64, got {dt}", TypeError)
+    require(
+        dt in INDEX_DTYPES, "index_dtype", lambda: f"expected int32 or int64, got {dt}", TypeError
+    )
     if dt == np.int32:
         require(
             n - 1 <= INT32_MAX,
             "index_dtype",
-            f"int32 cannot hold indices up to n - 1 = {n - 1}; use int64",
+            lambda: f"int32 cannot hold indices up to n - 1 = {n - 1}; use int64",
         )
     return dt
 
@@ -109,15 +118,15 @@ def check_threshold(threshold):
 def check_n(n):
     """A vector length: an integer >= 0; returns it as ``int``."""
     n = check_int("n", n)
-    require(n >= 0, "n", f"must be >= 0, got {n}")
-    require(n <= np.iinfo(np.int64).max, "n", f"must fit in int64, got {n}")
+    require(n >= 0, "n", lambda: f"must be >= 0, got {n}")
+    require(n <= np.iinfo(np.int64).max, "n", lambda: f"must fit in int64, got {n}")
     return n
 
 
 def check_P(P):
     """A number of blocks (ranks): an integer >= 1; returns it as ``int``."""
     P = check_int("P", P)
-    require(P >= 1, "P", f"must be >= 1, got {P}")
+    require(P >= 1, "P", lambda: f"must be >= 1, got {P}")
     return P
 
 
@@ -126,7 +135,7 @@ def check_same_length(name, length, other_name, other_length):
     require(
         length == other_length,
         name,
-        f"length {length} does not match {other_name} (length {other_length})",
+        lambda: f"length {length} does not match {other_name} (length {other_length})",
     )
 
 
@@ -135,7 +144,7 @@ def check_same_dtype(name, dtype, other_name, other_dtype):
     require(
         np.dtype(dtype) == np.dtype(other_dtype),
         name,
-        f"dtype {np.dtype(dtype)} does not match {other_name} ({np.dtype(other_dtype)})",
+        lambda: f"dtype {np.dtype(dtype)} does not match {other_name} ({np.dtype(other_dtype)})",
         TypeError,
     )
 
@@ -145,7 +154,7 @@ def check_sample_size(sample_size):
     if sample_size is None:
         return None
     s = check_int("sample_size", sample_size)
-    require(s >= 1, "sample_size", f"must be >= 1, got {s}")
+    require(s >= 1, "sample_size", lambda: f"must be >= 1, got {s}")
     return s
 
 
@@ -170,25 +179,27 @@ def check_blocks(ks, bounds, n):
     require(
         bounds.dtype.kind in "iu",
         "bounds",
-        f"must be an integer array, got {bounds.dtype}",
+        lambda: f"must be an integer array, got {bounds.dtype}",
         TypeError,
     )
     require(
         bounds.ndim == 1 and bounds.shape[0] >= 2,
         "bounds",
-        f"expected a 1-D array of at least 2 boundaries, got shape {bounds.shape}",
+        lambda: f"expected a 1-D array of at least 2 boundaries, got shape {bounds.shape}",
     )
     bounds = bounds.astype(np.int64)
     require(
         bounds[0] == 0 and bounds[-1] == n and bool(np.all(np.diff(bounds) >= 0)),
         "bounds",
-        f"must rise from 0 to n={n}",
+        lambda: f"must rise from 0 to n={n}",
     )
-    require(ks.dtype.kind in "iu", "ks", f"must be an integer array, got {ks.dtype}", TypeError)
+    require(
+        ks.dtype.kind in "iu", "ks", lambda: f"must be an integer array, got {ks.dtype}", TypeError
+    )
     require(
         ks.ndim == 1 and ks.shape[0] == bounds.shape[0] - 1,
         "ks",
-        f"expected shape ({bounds.shape[0] - 1},) (one per block), got {ks.shape}",
+        lambda: f"expected shape ({bounds.shape[0] - 1},) (one per block), got {ks.shape}",
     )
     ks = ks.astype(np.int64)
     require(
@@ -215,7 +226,7 @@ def check_accumulated(g_dtype, e_dtype, e_length, n):
     require(
         e_dtype == work,
         "e",
-        f"dtype must be {work} for a {g_dtype} gradient, got {e_dtype}",
+        lambda: f"dtype must be {work} for a {g_dtype} gradient, got {e_dtype}",
         TypeError,
     )
     check_same_length("e", e_length, "g", n)
@@ -228,7 +239,7 @@ def check_accumulate_out(shape, dtype, n, work, writeable, overlaps):
     require(
         tuple(shape) == (n,) and np.dtype(dtype) == work,
         "out",
-        f"expected shape ({n},) and dtype {work}, got {tuple(shape)} {np.dtype(dtype)}",
+        lambda: f"expected shape ({n},) and dtype {work}, got {tuple(shape)} {np.dtype(dtype)}",
     )
     require(writeable, "out", "array is read-only")
     require(not overlaps, "out", "must not share memory with g or e")
@@ -242,7 +253,7 @@ def check_work_array(name, ndim, dtype, writeable):
     require(
         dtype in VALUE_DTYPES[1:],
         name,
-        f"dtype must be float32 or float64, got {dtype}",
+        lambda: f"dtype must be float32 or float64, got {dtype}",
         TypeError,
     )
     require(writeable, name, "array is read-only; the pass writes into it")
@@ -257,7 +268,7 @@ def check_divisor(s):
         s = float(s)
     except OverflowError:
         s = math.inf  # an integer beyond float64's range
-    require(np.isfinite(s) and s != 0.0, "s", f"must be finite and non-zero, got {s}")
+    require(np.isfinite(s) and s != 0.0, "s", lambda: f"must be finite and non-zero, got {s}")
     return s
 
 
@@ -270,6 +281,6 @@ def check_divisor_in(s, dtype):
     require(
         np.isfinite(t) and t != 0,
         "s",
-        f"must be finite and non-zero in {np.dtype(dtype)}, got {s} (which is {t} there)",
+        lambda: f"must be finite and non-zero in {np.dtype(dtype)}, got {s} (which is {t} there)",
     )
     return t

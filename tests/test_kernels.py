@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import njit
 
 import spardl_kernels as sk
 from spardl_kernels import config
 from spardl_kernels.cpu import arrays as host_arrays
+from spardl_kernels.cpu._simd import hit_mask, not_below_mask
 from tests import naive
 
 DTYPES = [np.float16, np.float32, np.float64]
@@ -396,6 +398,53 @@ def test_accepts_cpu_torch_tensors_and_strided_views():
     x = np.arange(20, dtype=np.float64)[::-3]
     same_pair(sk.topk_abs(x, 3), naive.topk_abs(x, 3))
     same_pair(sk.select_above(x, 5.0), naive.select_above(x, 5.0))
+
+
+@njit
+def _masks(a, xs, s, stop, K, mask, t):
+    return hit_mask(a, s, stop, K, mask), not_below_mask(xs, s, stop, t)
+
+
+@SETTINGS
+@given(x=vectors(), data=st.data(), step=st.sampled_from([1, 1, 2, -3]))
+def test_hit_masks_of_64_entries(x, data, step):
+    """The vector-compare masks of 64 entries (full blocks, C-contiguous or strided) and of a
+    last, short block equal the per-entry tests."""
+    x = np.concatenate([x, x[::-1], x])[::step]
+    if x.shape[0] == 0:
+        return
+    kinfo = {np.float16: np.int16, np.float32: np.int32, np.float64: np.int64}[x.dtype.type]
+    bits = x.view(kinfo)  # a strided view keeps its stride
+    mask = kinfo(np.iinfo(kinfo).max)
+    K = kinfo(data.draw(st.integers(0, int(mask))))
+    t = data.draw(st.sampled_from([0.0, 0.5, 1.0, 3.0, np.inf, np.nan]))
+    # float16: the integer view and an integer t, as the scans pass them (never used there)
+    xs, t = (bits, kinfo(0)) if x.dtype == np.float16 else (x, x.dtype.type(t))
+    s = data.draw(st.integers(0, x.shape[0] - 1))
+    stop = min(s + 64, x.shape[0])  # a full block, or the last, short one
+    got_key, got_float = _masks(bits, xs, s, stop, K, mask, t)
+    lanes = np.arange(stop - s)
+    ref_key = int(sum(1 << int(l) for l in lanes if (int(bits[s + l]) & int(mask)) >= int(K)))
+    assert int(got_key) == ref_key
+    if x.dtype != np.float16:
+        with np.errstate(invalid="ignore"):
+            hits = ~(np.abs(x[s:stop]) < t)
+        assert int(got_float) == int(sum(1 << int(l) for l in lanes if hits[l]))
+
+
+def test_scans_of_strided_views_equal_the_contiguous_copy():
+    """Strided inputs long enough for full 64-entry blocks and the sampled window."""
+    rng = np.random.default_rng(5)
+    for dtype in DTYPES:
+        base = _numpy_vector(7, 3 * 70_000, dtype, 1)
+        for view in (base[::3], base[::-2]):
+            dense = view.copy()
+            t = float(np.sort(np.abs(dense[~np.isnan(dense)]))[-700])
+            same_pair(sk.select_above(view, t), naive.select_above(dense, t))
+            assert sk.count_above(view, t) == naive.select_above(dense, t)[0].shape[0]
+            k = int(rng.integers(1, 2000))
+            with tuning(window_min_n=0):
+                same_pair(sk.topk_abs(view, k), naive.topk_abs(dense, k))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,12 +21,12 @@ from numba import njit
 from .. import _validate, config
 from .._contract import threshold_key
 from ._common import JIT, as_values, canonical, key_view
+from ._simd import hit_mask, not_below_mask
 from .select import (
     _bracket,
     _digits,
     _float_args,
     _float_test,
-    _hit_mask,
     _key,
     _low_bit,
     _sample_position,
@@ -208,16 +208,12 @@ def _sum_above(g, e, x, bits, K, mask, t, usable, idx, vals):
     for b in range(full + 1):
         s = b * 64
         stop = s + 64 if b < full else n
-        m = np.uint64(0)
+        for l in range(stop - s):
+            x[s + l] = canonical(g[s + l] + e[s + l])
         if usable:
-            for l in range(stop - s):
-                v = canonical(g[s + l] + e[s + l])
-                x[s + l] = v
-                m |= np.uint64(not (abs(v) < t)) << np.uint64(l)
+            m = not_below_mask(x, s, stop, t)
         else:
-            for l in range(stop - s):
-                x[s + l] = canonical(g[s + l] + e[s + l])
-            m = _hit_mask(bits, s, stop, K_t, mask_t)
+            m = hit_mask(bits, s, stop, K_t, mask_t)
         while m:
             l, m = _low_bit(m)
             j = min(c, room)

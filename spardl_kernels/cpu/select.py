@@ -33,6 +33,7 @@ from ._common import (
     part_bounds,
     scratch,
 )
+from ._simd import hit_mask, not_below_mask
 
 # ---------------------------------------------------------------------------------------------
 # compiled workers
@@ -229,31 +230,6 @@ def _bracket(keys, n, k, nan_key, sigmas):
 
 
 @njit(inline="always", **JIT)
-def _hit_mask(part, s, stop, K_t, mask_t):
-    """Bit l of the result is set iff key(part[s + l]) >= K, for s + l in [s, min(s + 64, stop)).
-
-    A full block is 64 independent compares OR-ed into one word, which LLVM's loop vectoriser
-    turns into a few vector compares (a compare-and-branch per element, or an ``any`` of 16,
-    stays scalar: Numba leaves the SLP vectoriser off), so a block without a hit costs one test
-    of the word. No NaN clamp is needed: a NaN's key is above every K <= nan_key.
-    """
-    if s + 64 <= stop:
-        return _hit_mask64(part, s, K_t, mask_t)
-    m = np.uint64(0)
-    for l in range(stop - s):
-        m |= np.uint64((part[s + l] & mask_t) >= K_t) << np.uint64(l)
-    return m
-
-
-@njit(inline="always", **JIT)
-def _hit_mask64(part, s, K_t, mask_t):
-    m = np.uint64(0)
-    for l in range(64):
-        m |= np.uint64((part[s + l] & mask_t) >= K_t) << np.uint64(l)
-    return m
-
-
-@njit(inline="always", **JIT)
 def _low_bit(m):
     """(position of the lowest set bit of the non-zero uint64 m, m with that bit cleared)."""
     low = m & (~m + np.uint64(1))
@@ -301,9 +277,10 @@ def _window_scan(
     canonical NaN), and ``bits`` is x's memory as integers, so the pass reads each sum while it
     is still in cache.
 
-    Keys >= lo are found 64 at a time as a bit mask: with ``usable``, by the float compare
-    ``not (|v| < t)`` on the values (:func:`_float_test`; while summing, on each sum as it is
-    made), otherwise by the integer compare of the keys. Each hit is filed without a branch:
+    Keys >= lo are found 64 at a time as a bit mask (one vector compare, :mod:`._simd`): with
+    ``usable``, by the float compare ``not (|v| < t)`` on the values (:func:`_float_test`;
+    while summing, on the block of sums just written), otherwise by the integer compare of the
+    keys. Each hit is filed without a branch:
     its entry is written to both lists and only the right count moves (the lists have one slot
     more than they hold, and a full list keeps overwriting that slot while counting on), so
     the loop has no early exit and no unpredictable branch. ``found``: the lists
@@ -326,21 +303,13 @@ def _window_scan(
     for b in range(full + 1):
         s = b * 64
         stop_b = s + 64 if b < full else n
-        m = np.uint64(0)
-        if summing and usable:
-            for l in range(64 if b < full else n - s):
-                v = canonical(gp[s + l] + ep[s + l])
-                xp[s + l] = v
-                m |= np.uint64(not (abs(v) < t)) << np.uint64(l)
-        elif summing:
-            for l in range(64 if b < full else n - s):
+        if summing:
+            for l in range(stop_b - s):
                 xp[s + l] = canonical(gp[s + l] + ep[s + l])
-            m = _hit_mask(bp, s, stop_b, lo_t, mask_t)
-        elif usable:
-            for l in range(64 if b < full else n - s):
-                m |= np.uint64(not (abs(xp[s + l]) < t)) << np.uint64(l)
+        if usable:
+            m = not_below_mask(xp, s, stop_b, t)
         else:
-            m = _hit_mask(bp, s, stop_b, lo_t, mask_t)
+            m = hit_mask(bp, s, stop_b, lo_t, mask_t)
         while m:
             l, m = _low_bit(m)
             i = s + l
@@ -472,7 +441,7 @@ def _compact_range(bits, start, stop, K_t, mask_t, idx, vals, j):
     m = part.shape[0]
     for b in range((m + 63) // 64):
         s = b * 64
-        hits = _hit_mask(part, s, m, K_t, mask_t)
+        hits = hit_mask(part, s, m, K_t, mask_t)
         while hits:
             l, hits = _low_bit(hits)
             idx[j] = start + s + l
@@ -483,12 +452,22 @@ def _compact_range(bits, start, stop, K_t, mask_t, idx, vals, j):
 
 @njit(**JIT)
 def _count_range(bits, start, stop, K_t, mask_t):
-    # count = sum(key(x_i) >= K for i in [start, stop)), a vectorised reduction in x's own width
+    """sum(key(x_i) >= K for i in [start, stop)), a vectorised reduction.
+
+    Numba types integer sums as int64, so a plain ``c += test`` makes the vectoriser widen
+    every lane to 64 bits (4 per AVX2 instruction); truncating each partial sum to int32 lets
+    it keep 8 lanes of 32 bits, which halved the time at n = 2**20. The int32 sums cover
+    2**16 entries each, far below overflow.
+    """
     part = bits[start:stop]
-    c = 0
-    for i in range(part.shape[0]):
-        c += (part[i] & mask_t) >= K_t
-    return c
+    m = part.shape[0]
+    total = 0
+    for c0 in range(0, m, 1 << 16):
+        c = np.int32(0)
+        for i in range(c0, min(c0 + (1 << 16), m)):
+            c = np.int32(c + ((part[i] & mask_t) >= K_t))
+        total += c
+    return total
 
 
 @njit(**JIT)
@@ -511,18 +490,11 @@ def _select_part(bits, start, stop, K, mask, chunk, idx, vals, j, end):
     return j - j0
 
 
-@njit(**JIT)
-def _select_parts(bits, K, mask, bounds, room, chunk, idx, vals, counts):
-    """Part p = [bounds[p], bounds[p+1]) into its buffer range [room[p], room[p+1])."""
-    for p in range(counts.shape[0]):
-        counts[p] = _select_part(
-            bits, bounds[p], bounds[p + 1], K, mask, chunk, idx, vals, room[p], room[p + 1]
-        )
-
-
 @njit(**JIT_PARALLEL)
 def _select_parts_parallel(bits, K, mask, bounds, room, chunk, idx, vals, counts):
-    """`_select_parts` with one part per thread (the parts touch disjoint ranges only)."""
+    """Part p = [bounds[p], bounds[p+1]) into its buffer range [room[p], room[p+1]), one part
+    per thread (the parts touch disjoint ranges only); counts[p] as :func:`_select_part`
+    returns it."""
     for p in prange(counts.shape[0]):
         counts[p] = _select_part(
             bits, bounds[p], bounds[p + 1], K, mask, chunk, idx, vals, room[p], room[p + 1]
@@ -579,7 +551,7 @@ def _sample_bits(bits, s, seed):
 
 
 def _digits(dtype):
-    digits = np.asarray(config.RADIX_DIGITS[dtype.name], dtype=np.int64)
+    digits = np.asarray(config.RADIX_DIGITS[_contract.dtype_name(dtype)], dtype=np.int64)
     return digits
 
 
@@ -652,9 +624,17 @@ def _select_ge(bits, K, mask, index_dtype):
     part order, so the result is the same for every thread count."""
     n = bits.shape[0]
     threads = cpu_threads(n, config.SELECT_PARALLEL_MIN_N)
+    chunk = max(16, int(config.SELECT_CHUNK))
+    if threads == 1:
+        # the same rooms for the one part in Python integers (small NumPy arrays cost µs each)
+        for room in (min(n, int(n * config.SELECT_INITIAL_FRACTION) + chunk) + 1, n + 1):
+            idx = np.empty(room, index_dtype)
+            vals = np.empty(room, bits.dtype)
+            c = _select_part(bits, 0, n, K, mask, chunk, idx, vals, 0, room)
+            if c >= 0:
+                return idx[:c].copy(), vals[:c].copy()
     bounds = part_bounds(n, threads)
     length = np.diff(bounds)
-    chunk = max(16, int(config.SELECT_CHUNK))
     # room per part: a guess from SELECT_INITIAL_FRACTION, +1 for the branch-free store's slack
     guess = np.minimum(length, (length * config.SELECT_INITIAL_FRACTION).astype(np.int64) + chunk)
     counts = np.zeros(threads, np.int64)
@@ -663,15 +643,10 @@ def _select_ge(bits, K, mask, index_dtype):
         # np.empty of the larger size commits only the pages the parts write
         idx = np.empty(room[-1], index_dtype)
         vals = np.empty(room[-1], bits.dtype)
-        if threads == 1:
-            _select_parts(bits, K, mask, bounds, room, chunk, idx, vals, counts)
-        else:
-            with numba_threads(threads):
-                _select_parts_parallel(bits, K, mask, bounds, room, chunk, idx, vals, counts)
+        with numba_threads(threads):
+            _select_parts_parallel(bits, K, mask, bounds, room, chunk, idx, vals, counts)
         if (counts >= 0).all():
             break
-    if threads == 1:
-        return idx[: counts[0]].copy(), vals[: counts[0]].copy()
     pieces = [slice(room[p], room[p] + counts[p]) for p in range(threads)]
     return np.concatenate([idx[s] for s in pieces]), np.concatenate([vals[s] for s in pieces])
 
