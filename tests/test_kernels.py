@@ -420,8 +420,8 @@ def test_hit_masks_of_64_entries(x, data, step):
     t = data.draw(st.sampled_from([0.0, 0.5, 1.0, 3.0, np.inf, np.nan]))
     # float16: the integer view and an integer t, as the scans pass them (never used there)
     xs, t = (bits, kinfo(0)) if x.dtype == np.float16 else (x, x.dtype.type(t))
-    s = data.draw(st.integers(0, x.shape[0] - 1))
-    stop = min(s + 64, x.shape[0])  # a full block, or the last, short one
+    s = data.draw(st.integers(0, x.shape[0]))
+    stop = min(s + 64, x.shape[0])  # a full block, the last, short one, or none (s = stop)
     got_key, got_float = _masks(bits, xs, s, stop, K, mask, t)
     lanes = np.arange(stop - s)
     ref_key = int(sum(1 << int(l) for l in lanes if (int(bits[s + l]) & int(mask)) >= int(K)))
@@ -445,6 +445,52 @@ def test_scans_of_strided_views_equal_the_contiguous_copy():
             k = int(rng.integers(1, 2000))
             with tuning(window_min_n=0):
                 same_pair(sk.topk_abs(view, k), naive.topk_abs(dense, k))
+
+
+@pytest.mark.parametrize("n", [64, 128, 4096, 1 << 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scans_whose_length_is_a_multiple_of_64(n, dtype):
+    """No short last block: the scans must neither file the last full block twice nor read past
+    the end (a last, empty block once did both)."""
+    x = _numpy_vector(n, n, dtype, 1)
+    work = np.float32 if dtype == np.float16 else dtype
+    e = (_numpy_vector(n + 1, n, work, 1) * 1e-3).astype(work)
+    t = float(np.sort(np.abs(x[~np.isnan(x)]))[-max(1, n // 50)])
+    bounds = naive.uniform_bounds(n, 2)
+    ks = np.diff(bounds) // 20 + 1
+    with tuning(window_min_n=0), np.errstate(all="ignore"):
+        for k in (1, n // 100 + 1):
+            same_pair(sk.topk_abs(x, k), naive.topk_abs(x, k))
+            same_bits(sk.kth_largest_abs(x, k), naive.kth_largest_abs(x, k))
+        for got, want in zip(
+            sk.accumulate_above(x, e, t), naive.accumulate_above(x, e, t), strict=True
+        ):
+            same_bits(got, want)
+        for got, want in zip(
+            sk.accumulate_topk(x, e, ks, bounds),
+            naive.accumulate_topk(x, e, ks, bounds),
+            strict=True,
+        ):
+            same_bits(got, want)
+        same_bits(
+            sk.estimate_threshold(x, n // 10 + 1, sample_size=n),
+            naive.estimate_threshold(x, n // 10 + 1, sample_size=n),
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_selections_of_read_only_arrays(dtype):
+    """Read-only inputs (np.frombuffer, memory maps) on every selection path, the sampled
+    window included."""
+    x = _numpy_vector(3, 70_003, dtype, 1)
+    x.flags.writeable = False
+    t = float(np.sort(np.abs(x[~np.isnan(x)]))[-500])
+    for window_min_n in (None, 0):
+        with tuning(window_min_n=window_min_n):
+            same_pair(sk.topk_abs(x, 700), naive.topk_abs(x, 700))
+            same_bits(sk.kth_largest_abs(x, 700), naive.kth_largest_abs(x, 700))
+            same_pair(sk.select_above(x, t), naive.select_above(x, t))
+            assert sk.count_above(x, t) == naive.count_above(x, t)
 
 
 # ---------------------------------------------------------------------------------------------

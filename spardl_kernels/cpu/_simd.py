@@ -126,13 +126,20 @@ def mask64_not_below(typingctx, x, s, t):
 
 
 @njit(inline="always", cache=True, nogil=True)
+def _shift_down(m, shift):
+    """m >> shift for 0 <= shift <= 64 (64: an empty block, zero; a shift by the word's width
+    is undefined in LLVM and returns m unchanged on x86)."""
+    return m >> np.uint64(shift) if shift < _LANES else np.uint64(0)
+
+
+@njit(inline="always", cache=True, nogil=True)
 def hit_mask(a, s, stop, K_t, mask_t):
     """Bit l set iff key(a[s + l]) >= K, i.e. ``(a[s + l] & mask) >= K``, for s + l in
-    [s, min(s + 64, stop)); s < stop <= len(a). No NaN clamp is needed: a NaN's key is above
-    every K <= nan_key."""
+    [s, min(s + 64, stop)), stop <= len(a) (zero when s >= stop). No NaN clamp is needed: a
+    NaN's key is above every K <= nan_key."""
     if stop >= _LANES:
         r = min(s, stop - _LANES)
-        return mask64_key_ge(a, r, K_t, mask_t) >> np.uint64(s - r)
+        return _shift_down(mask64_key_ge(a, r, K_t, mask_t), s - r)
     m = np.uint64(0)
     for l in range(stop - s):
         m |= np.uint64((a[s + l] & mask_t) >= K_t) << np.uint64(l)
@@ -140,8 +147,8 @@ def hit_mask(a, s, stop, K_t, mask_t):
 
 
 def not_below_mask(x, s, stop, t):
-    """Bit l set iff ``not (|x[s + l]| < t)``, for s + l in [s, min(s + 64, stop));
-    s < stop <= len(x).
+    """Bit l set iff ``not (|x[s + l]| < t)``, for s + l in [s, min(s + 64, stop)),
+    stop <= len(x) (zero when s >= stop).
 
     Compiled code only. ``x`` is a float array, or for float16 values (no float type in
     Numba's CPU target) their integer view, which the callers never reach this with (their
@@ -165,7 +172,7 @@ def _not_below_mask(x, s, stop, t):
         def impl(x, s, stop, t):
             if stop >= _LANES:
                 r = min(s, stop - _LANES)
-                return mask64_not_below(x, r, t) >> np.uint64(s - r)
+                return _shift_down(mask64_not_below(x, r, t), s - r)
             return _not_below_loop(x, s, stop, t)
 
         return impl

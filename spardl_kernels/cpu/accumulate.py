@@ -173,8 +173,9 @@ def accumulate_topk(g, e, ks, bounds, *, out=None):
                 t, usable = _float_test(lo, xb, x, normal_key, inf_key)
                 found = _window_buffers(k, cap, xb.dtype)
                 ok, n_def, m, found = _window_scan(
-                    g, e, x, xb, lo_b, hi_b, True, k, mask, nan_key, lo, hi, cap, t, usable, found
-                )
+                    g, e, x, x, xb, lo_b, hi_b, True, k, mask, nan_key, lo, hi, cap, t, usable,
+                    found,
+                )  # fmt: skip
                 if ok:
                     _window_finish(k, nan_key, digits, lanes, cutoff, n_def, m, found, sel_i, sel_v)
                     sel_i += lo_b
@@ -204,10 +205,9 @@ def _sum_above(g, e, x, bits, K, mask, t, usable, idx, vals):
     K_t = bits.dtype.type(K)
     mask_t = bits.dtype.type(mask)
     c = 0
-    full = n // 64
-    for b in range(full + 1):
+    for b in range((n + 63) // 64):
         s = b * 64
-        stop = s + 64 if b < full else n
+        stop = min(s + 64, n)
         for l in range(stop - s):
             x[s + l] = canonical(g[s + l] + e[s + l])
         if usable:

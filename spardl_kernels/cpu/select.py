@@ -263,19 +263,22 @@ def _window_pass(bits, x, k, mask, nan_key, lo, hi, cap, normal_key, inf_key, fo
     (:func:`_window_buffers`).
     """
     t, usable = _float_test(lo, bits, x, normal_key, inf_key)
+    # Nothing is written without summing; the store target is an empty array of its own, so
+    # that a read-only x compiles (the summing branch's store is typed all the same).
     return _window_scan(
-        x, x, x, bits, 0, bits.shape[0], False, k, mask, nan_key, lo, hi, cap, t, usable, found
-    )
+        x, x, x[:0].copy(), x, bits, 0, bits.shape[0], False, k, mask, nan_key, lo, hi, cap, t,
+        usable, found,
+    )  # fmt: skip
 
 
 @njit(**JIT)
 def _window_scan(
-    g, e, x, bits, start, stop, summing, k, mask, nan_key, lo, hi, cap, t, usable, found
+    g, e, out, x, bits, start, stop, summing, k, mask, nan_key, lo, hi, cap, t, usable, found
 ):  # fmt: skip
     """The window pass over [start, stop) of ``bits`` (indices relative to start); with
-    ``summing``, x = g + e is written there first, 64 entries at a time (a NaN sum as the
-    canonical NaN), and ``bits`` is x's memory as integers, so the pass reads each sum while it
-    is still in cache.
+    ``summing``, out = g + e is written there first, 64 entries at a time (a NaN sum as the
+    canonical NaN), where ``out`` is x itself and ``bits`` its memory as integers, so the pass
+    reads each sum while it is still in cache (without summing ``out`` is not touched).
 
     Keys >= lo are found 64 at a time as a bit mask (one vector compare, :mod:`._simd`): with
     ``usable``, by the float compare ``not (|v| < t)`` on the values (:func:`_float_test`;
@@ -291,6 +294,7 @@ def _window_scan(
     """
     gp = g[start:stop]
     ep = e[start:stop]
+    op = out[start:stop]
     xp = x[start:stop]
     bp = bits[start:stop]
     n = stop - start
@@ -299,13 +303,12 @@ def _window_scan(
     lo_t = bits.dtype.type(lo)
     j = 0
     c = 0
-    full = n // 64
-    for b in range(full + 1):
+    for b in range((n + 63) // 64):
         s = b * 64
-        stop_b = s + 64 if b < full else n
+        stop_b = min(s + 64, n)
         if summing:
             for l in range(stop_b - s):
-                xp[s + l] = canonical(gp[s + l] + ep[s + l])
+                op[s + l] = canonical(gp[s + l] + ep[s + l])
         if usable:
             m = not_below_mask(xp, s, stop_b, t)
         else:
