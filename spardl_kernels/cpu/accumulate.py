@@ -20,7 +20,7 @@ from numba import njit
 
 from .. import _validate, config
 from .._contract import threshold_key
-from ._common import JIT, as_values, canonical, key_view
+from ._common import JIT, as_values, canonical, key_view, scratch
 from ._simd import hit_mask, not_below_mask
 from .select import (
     _bracket,
@@ -280,8 +280,9 @@ def accumulate_above(g, e, threshold, *, out=None):
     _, normal_key, inf_key = _float_args(xb, work)
     tf, usable = _float_test(K, xb, x, normal_key, inf_key)
     room = int(min(n, n * config.SELECT_INITIAL_FRACTION + config.SELECT_CHUNK))
-    idx = np.empty(room + 1, np.int64)
-    vb = np.empty(room + 1, xb.dtype)
+    # per-thread scratch, as select_above's first try: no page faults on every call
+    idx = scratch("accumulate_above idx", room + 1, np.int64)
+    vb = scratch("accumulate_above vals", room + 1, xb.dtype)
     c = int(_sum_above(g, e, x, xb, K, mask, tf, usable, idx, vb))
     if c > room:  # more than the room: select from the finished X
         idx, vb = _select_ge(xb, K, mask, np.dtype(np.int64))

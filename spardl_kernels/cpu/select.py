@@ -629,10 +629,17 @@ def _select_ge(bits, K, mask, index_dtype):
     threads = cpu_threads(n, config.SELECT_PARALLEL_MIN_N)
     chunk = max(16, int(config.SELECT_CHUNK))
     if threads == 1:
-        # the same rooms for the one part in Python integers (small NumPy arrays cost µs each)
-        for room in (min(n, int(n * config.SELECT_INITIAL_FRACTION) + chunk) + 1, n + 1):
-            idx = np.empty(room, index_dtype)
-            vals = np.empty(room, bits.dtype)
+        # The same rooms for the one part, in Python integers (small NumPy arrays cost µs
+        # each). The first try writes into per-thread scratch (a fresh buffer of n/32 entries
+        # pays its page faults on every call: 0.7 ms at n = 2**20 in bench/kernels.py), the
+        # rare second one, with room for every entry, into a new array that is not kept.
+        guess = min(n, int(n * config.SELECT_INITIAL_FRACTION) + chunk) + 1
+        for room in (guess, n + 1):
+            if room == guess:
+                idx = scratch("select_above idx", room, index_dtype)
+                vals = scratch("select_above vals", room, bits.dtype)
+            else:
+                idx, vals = np.empty(room, index_dtype), np.empty(room, bits.dtype)
             c = _select_part(bits, 0, n, K, mask, chunk, idx, vals, 0, room)
             if c >= 0:
                 return idx[:c].copy(), vals[:c].copy()
