@@ -889,9 +889,12 @@ def _without_zeros(indices, values):
     residuals (computed before).
     """
     tiny = float(np.nextafter(values.dtype.type(0), values.dtype.type(1)))
-    keep, kept = K.select_above(values, tiny)  # |v| >= smallest subnormal  <=>  v != 0 or NaN
-    if len(keep) == len(values):
+    # |v| >= smallest subnormal  <=>  v != 0 or NaN. Counted first: usually nothing is dropped,
+    # and a selection of (nearly) every entry overflows select_above's first buffer and is done
+    # twice (3.6 ms of a 52 ms SparDL step at n = 25 M, P = 1, against 0.1 ms for the count).
+    if K.count_above(values, tiny) == len(values):
         return indices, values
+    keep, kept = K.select_above(values, tiny)
     return A.take(indices, keep), kept
 
 
