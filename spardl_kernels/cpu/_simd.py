@@ -5,10 +5,10 @@ Every selection scan asks, 64 entries at a time, which of them pass a test (key 
 (``m |= uint64(test(l)) << l``), LLVM's loop vectoriser widens each lane's bit to 64 bits and
 shifts it into place: on AVX2 about ten instructions per 8 entries, so the scans ran at about
 half the speed of a copy. Here the 64 entries are one ``<64 x T>`` load, one vector compare, and
-a ``bitcast <64 x i1> to i64``, which the x86 backend lowers to vector compares and
-``vpmovmskb``/``vmovmskps`` (8 entries per instruction); other targets get their own lowering
-of the same IR. Measured at n = 2**20, float32, 1 % hits: a select scan in 0.10 ms against
-0.21 ms for the loop (docs/performance.md, "Kernels").
+a ``bitcast <64 x i1> to i64``, which the x86 backend lowers to vector compares, packs and
+``vpmovmskb`` (8 float32 compares and 2 ``vpmovmskb`` per 64 entries with AVX2); other targets
+get their own lowering of the same IR. ``select_above`` at n = 2**20 took 0.6–0.7 of its earlier
+time (docs/performance.md, "Vector masks, and no page faults per call").
 
 The functions read ``a[s : s + 64]``; callers pass only full blocks (s + 64 <= len(a)), which
 is checked when Numba's bounds checking is on (``NUMBA_BOUNDSCHECK=1``). Arrays that are not
@@ -120,9 +120,10 @@ def mask64_not_below(typingctx, x, s, t):
 # the masks of a block that may be short (the last block of a scan)
 # ---------------------------------------------------------------------------------------------
 # A short last block [s, stop) is read as the 64 entries that end at stop, shifted down by the
-# overlap, so a scan's loop has one code path for every block (a branch to a per-entry loop
-# for the last block made the whole scan 1.5x slower, measured at n = 2**20). Only arrays of
-# fewer than 64 entries take the per-entry loop (a test that does not change within a scan).
+# overlap, so a scan's loop has one code path for every block (with a branch to a per-entry
+# loop for the last block, a select scan at n = 2**20 took about 1.5x as long in a
+# micro-benchmark). Only arrays of fewer than 64 entries take the per-entry loop (a test that
+# does not change within a scan).
 
 
 @njit(inline="always", cache=True, nogil=True)
