@@ -633,16 +633,14 @@ def _select_ge(bits, K, mask, index_dtype):
         # each). The first try writes into per-thread scratch (a fresh buffer of n/32 entries
         # pays its page faults on every call: 0.7 ms at n = 2**20 in bench/kernels.py), the
         # rare second one, with room for every entry, into a new array that is not kept.
-        guess = min(n, int(n * config.SELECT_INITIAL_FRACTION) + chunk) + 1
-        for room in (guess, n + 1):
-            if room == guess:
-                idx = scratch("select_above idx", room, index_dtype)
-                vals = scratch("select_above vals", room, bits.dtype)
-            else:
-                idx, vals = np.empty(room, index_dtype), np.empty(room, bits.dtype)
-            c = _select_part(bits, 0, n, K, mask, chunk, idx, vals, 0, room)
-            if c >= 0:
-                return idx[:c].copy(), vals[:c].copy()
+        room = min(n, int(n * config.SELECT_INITIAL_FRACTION) + chunk) + 1
+        idx = scratch("select_above idx", room, index_dtype)
+        vals = scratch("select_above vals", room, bits.dtype)
+        c = _select_part(bits, 0, n, K, mask, chunk, idx, vals, 0, room)
+        if c < 0:
+            idx, vals = np.empty(n + 1, index_dtype), np.empty(n + 1, bits.dtype)
+            c = _select_part(bits, 0, n, K, mask, chunk, idx, vals, 0, n + 1)
+        return idx[:c].copy(), vals[:c].copy()
     bounds = part_bounds(n, threads)
     length = np.diff(bounds)
     # room per part: a guess from SELECT_INITIAL_FRACTION, +1 for the branch-free store's slack
