@@ -116,6 +116,43 @@ def mask64_not_below(typingctx, x, s, t):
     return sig, codegen
 
 
+@intrinsic
+def popcount64(typingctx, m):
+    """The number of set bits of the uint64 ``m`` (``llvm.ctpop``: one ``popcnt``)."""
+    if not isinstance(m, types.Integer):
+        return None
+    sig = types.uint64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        word = context.cast(builder, args[0], signature.args[0], types.uint64)
+        ctpop = builder.module.declare_intrinsic("llvm.ctpop", [ir.IntType(64)])
+        return builder.call(ctpop, [word])
+
+    return sig, codegen
+
+
+@intrinsic
+def lowest_set_bit(typingctx, m):
+    """(position of the lowest set bit of the non-zero uint64 ``m``, m with that bit cleared):
+    ``llvm.cttz`` and ``m & (m - 1)``, one ``tzcnt`` and one ``blsr`` with BMI.
+
+    ``m`` must be non-zero (cttz of zero is declared poison, which lets LLVM drop the test).
+    """
+    if not isinstance(m, types.Integer):
+        return None
+    sig = types.Tuple((types.int64, types.uint64))(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        word = context.cast(builder, args[0], signature.args[0], types.uint64)
+        cttz = builder.module.declare_intrinsic("llvm.cttz", [i64, ir.IntType(1)])
+        pos = builder.call(cttz, [word, ir.Constant(ir.IntType(1), 1)])
+        rest = builder.and_(word, builder.sub(word, ir.Constant(i64, 1)))
+        return context.make_tuple(builder, signature.return_type, [pos, rest])
+
+    return sig, codegen
+
+
 # ---------------------------------------------------------------------------------------------
 # the masks of a block that may be short (the last block of a scan)
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from ._common import (
     part_bounds,
     scratch,
 )
-from ._simd import hit_mask, not_below_mask
+from ._simd import hit_mask, lowest_set_bit, not_below_mask, popcount64
 
 # ---------------------------------------------------------------------------------------------
 # compiled workers
@@ -232,9 +232,7 @@ def _bracket(keys, n, k, nan_key, sigmas):
 @njit(inline="always", **JIT)
 def _low_bit(m):
     """(position of the lowest set bit of the non-zero uint64 m, m with that bit cleared)."""
-    low = m & (~m + np.uint64(1))
-    # a power of two converts to float64 exactly, and its exponent is the bit's position
-    return np.int64(np.float64(low).view(np.int64) >> 52) - 1023, m ^ low
+    return lowest_set_bit(m)
 
 
 @njit(inline="always", **JIT)
@@ -455,22 +453,18 @@ def _compact_range(bits, start, stop, K_t, mask_t, idx, vals, j):
 
 @njit(**JIT)
 def _count_range(bits, start, stop, K_t, mask_t):
-    """sum(key(x_i) >= K for i in [start, stop)), a vectorised reduction.
+    """sum(key(x_i) >= K for i in [start, stop)): the set bits of each 64-entry hit mask.
 
-    Numba types integer sums as int64, so a plain ``c += test`` makes the vectoriser widen
-    every lane to 64 bits (4 per AVX2 instruction); truncating each partial sum to int32 lets
-    it keep 8 lanes of 32 bits (``count_above`` at n = 2**20 in 0.5–0.7 of its earlier time,
-    docs/performance.md). The int32 sums cover 2**16 entries each, far below overflow.
+    One vector compare and one ``popcnt`` per 64 entries. A plain ``c += test`` loop, even
+    with int32 partial sums to keep the vectoriser's lanes narrow, took 2.2x as long at
+    n = 2**20 on an AVX-512 CPU (docs/performance.md, "An AVX-512 machine").
     """
     part = bits[start:stop]
     m = part.shape[0]
-    total = 0
-    for c0 in range(0, m, 1 << 16):
-        c = np.int32(0)
-        for i in range(c0, min(c0 + (1 << 16), m)):
-            c = np.int32(c + ((part[i] & mask_t) >= K_t))
-        total += c
-    return total
+    total = np.uint64(0)
+    for b in range((m + 63) // 64):
+        total += popcount64(hit_mask(part, b * 64, m, K_t, mask_t))
+    return np.int64(total)
 
 
 @njit(**JIT)

@@ -126,36 +126,41 @@ def _merge_two_parts(ia, va, ib, vb, sa, sb, p, out_i, out_v, counts, bad):
     last2 = np.int64(-1)
     bad1 = False
     bad2 = False
-    # the same step as _merge_run, on both parts at once
-    while a < a1 and b < b1 and c < c1 and d < d1:
-        x1 = np.int64(ia[a])
-        y1 = np.int64(ib[b])
-        x2 = np.int64(ia[c])
-        y2 = np.int64(ib[d])
-        ta = x1 <= y1
-        tb = y1 <= x1
-        tc = x2 <= y2
-        td = y2 <= x2
-        m1 = min(x1, y1)
-        m2 = min(x2, y2)
-        u1 = va[a]
-        w1 = vb[b]
-        u2 = va[c]
-        w2 = vb[d]
-        out_i[o] = m1
-        out_v[o] = canonical(u1 + w1) if (ta and tb) else (u1 if ta else w1)
-        out_i[q] = m2
-        out_v[q] = canonical(u2 + w2) if (tc and td) else (u2 if tc else w2)
-        bad1 |= m1 <= last1
-        bad2 |= m2 <= last2
-        last1 = m1
-        last2 = m2
-        a += np.uint64(ta)
-        b += np.uint64(tb)
-        c += np.uint64(tc)
-        d += np.uint64(td)
-        o += one
-        q += one
+    # the same step as _merge_run, on both parts at once. A step moves each cursor by at most
+    # one, so `steps` steps stay in range: the inner loop tests a counter, not four bounds.
+    while True:
+        steps = min(min(a1 - a, b1 - b), min(c1 - c, d1 - d))
+        if steps == 0:
+            break
+        for _ in range(steps):
+            x1 = np.int64(ia[a])
+            y1 = np.int64(ib[b])
+            x2 = np.int64(ia[c])
+            y2 = np.int64(ib[d])
+            ta = x1 <= y1
+            tb = y1 <= x1
+            tc = x2 <= y2
+            td = y2 <= x2
+            m1 = min(x1, y1)
+            m2 = min(x2, y2)
+            u1 = va[a]
+            w1 = vb[b]
+            u2 = va[c]
+            w2 = vb[d]
+            out_i[o] = m1
+            out_v[o] = canonical(u1 + w1) if (ta and tb) else (u1 if ta else w1)
+            out_i[q] = m2
+            out_v[q] = canonical(u2 + w2) if (tc and td) else (u2 if tc else w2)
+            bad1 |= m1 <= last1
+            bad2 |= m2 <= last2
+            last1 = m1
+            last2 = m2
+            a += np.uint64(ta)
+            b += np.uint64(tb)
+            c += np.uint64(tc)
+            d += np.uint64(td)
+            o += one
+            q += one
     end1, _, more1 = _merge_run(ia, va, ib, vb, a, a1, b, b1, out_i, out_v, o, last1)
     end2, _, more2 = _merge_run(ia, va, ib, vb, c, c1, d, d1, out_i, out_v, q, last2)
     counts[p] = end1 - (sa[p] + sb[p])
@@ -203,22 +208,121 @@ def _merge_splits(ia, ib, parts):
 
 
 @njit(**JIT)
-def _merge_add(ia, va, ib, vb, out_i, out_v):
-    """Serial merge in two interleaved merge-path parts, written from out[0] and out[start].
+def _merge_run_down(ia, va, ib, vb, a, b, out_i, out_v, o, top):
+    """Merge ia[:a] and ib[:b] from their largest index down, writing out[o - 1], out[o - 2], ...
 
-    Returns (count0, start, count1, ok); ok is False if the output is not strictly increasing
-    from a non-negative start, which happens exactly when an input is not sorted unique and
-    >= 0. Where part 0 held matched pairs, count0 < start and the caller moves part 1 down.
+    The mirror of `_merge_run`: returns (o, top, bad), the lowest position written, the last
+    (smallest) index written, and whether the output was not strictly decreasing from `top`.
     """
+    one = np.uint64(1)
+    a = np.uint64(a)
+    b = np.uint64(b)
+    o = np.uint64(o)
+    bad = False
+    while a > 0 and b > 0:
+        x = np.int64(ia[a - one])
+        y = np.int64(ib[b - one])
+        take_a = x >= y
+        take_b = y >= x
+        m = max(x, y)
+        u = va[a - one]
+        w = vb[b - one]
+        o -= one
+        out_i[o] = m
+        out_v[o] = canonical(u + w) if (take_a and take_b) else (u if take_a else w)
+        bad |= m >= top
+        top = m
+        a -= np.uint64(take_a)
+        b -= np.uint64(take_b)
+    while a > 0:
+        a -= one
+        o -= one
+        m = np.int64(ia[a])
+        out_i[o] = m
+        out_v[o] = va[a]
+        bad |= m >= top
+        top = m
+    while b > 0:
+        b -= one
+        o -= one
+        m = np.int64(ib[b])
+        out_i[o] = m
+        out_v[o] = vb[b]
+        bad |= m >= top
+        top = m
+    return np.int64(o), top, bad
+
+
+@njit(**JIT)
+def _merge_add(ia, va, ib, vb, out_i, out_v):
+    """Serial merge in two merge-path parts run interleaved in one loop, meeting at the split
+    diagonal s: part 0 merged downwards from its largest index into out[:s], part 1 upwards
+    into out[s:], so the union is contiguous, out[lo:hi], and nothing has to be moved over the
+    gaps that matched pairs leave.
+
+    Returns (lo, hi, ok); ok is False if the output is not strictly increasing from a
+    non-negative start, which happens exactly when an input is not sorted unique and >= 0.
+    """
+    one = np.uint64(1)
     sa, sb = _merge_splits(ia, ib, 2)
-    counts = np.zeros(2, np.int64)
-    bad = np.zeros(2, np.bool_)
-    _merge_two_parts(ia, va, ib, vb, sa, sb, 0, out_i, out_v, counts, bad)
-    start = sa[1] + sb[1]
-    ok = not (bad[0] or bad[1])
-    if counts[0] > 0 and counts[1] > 0:
-        ok &= out_i[counts[0] - 1] < out_i[start]
-    return counts[0], start, counts[1], ok
+    s = np.uint64(sa[1] + sb[1])
+    # part 0 (ia[:a], ib[:b] left to merge) downwards from out[s - 1]
+    a = np.uint64(sa[1])
+    b = np.uint64(sb[1])
+    o = s
+    top = np.iinfo(np.int64).max
+    # part 1 (ia[c:c1], ib[d:d1]) upwards from out[s]
+    c = a
+    c1 = np.uint64(ia.shape[0])
+    d = b
+    d1 = np.uint64(ib.shape[0])
+    q = s
+    last = np.int64(-1)
+    bad = False
+    # A step moves each cursor by at most one, so `steps` steps stay in range: the inner loop
+    # tests a counter, not four bounds.
+    while True:
+        steps = min(min(a, b), min(c1 - c, d1 - d))
+        if steps == 0:
+            break
+        for _ in range(steps):
+            x1 = np.int64(ia[a - one])
+            y1 = np.int64(ib[b - one])
+            x2 = np.int64(ia[c])
+            y2 = np.int64(ib[d])
+            ta = x1 >= y1
+            tb = y1 >= x1
+            tc = x2 <= y2
+            td = y2 <= x2
+            m1 = max(x1, y1)
+            m2 = min(x2, y2)
+            u1 = va[a - one]
+            w1 = vb[b - one]
+            u2 = va[c]
+            w2 = vb[d]
+            o -= one
+            out_i[o] = m1
+            out_v[o] = canonical(u1 + w1) if (ta and tb) else (u1 if ta else w1)
+            out_i[q] = m2
+            out_v[q] = canonical(u2 + w2) if (tc and td) else (u2 if tc else w2)
+            bad |= (m1 >= top) | (m2 <= last)
+            top = m1
+            last = m2
+            a -= np.uint64(ta)
+            b -= np.uint64(tb)
+            c += np.uint64(tc)
+            d += np.uint64(td)
+            q += one
+    lo, top, bad0 = _merge_run_down(ia, va, ib, vb, a, b, out_i, out_v, o, top)
+    hi, _, bad1 = _merge_run(ia, va, ib, vb, c, c1, d, d1, out_i, out_v, q, last)
+    s = np.int64(s)
+    ok = not (bad or bad0 or bad1)
+    if lo < s:
+        # part 0's smallest index is non-negative and below part 1's smallest
+        ok &= out_i[lo] >= 0
+        if hi > s:
+            ok &= out_i[s - 1] < out_i[s]
+    return lo, hi, ok
 
 
 @njit(**JIT_PARALLEL)
@@ -436,11 +540,12 @@ def merge_add(ia, va, ib, vb):
     -----
     docs/design.md §3 kernel contract. One branch-free merge pass, split at the merge-path diagonal
     (Odeh et al., IPDPSW 2012) into two parts that run interleaved in one loop so that their
-    dependency chains overlap; each index (and each matched pair) lives in exactly one part, so
-    the result is that of one sequential merge. The sorted-unique check is fused into it (the
-    output is strictly increasing iff both inputs are), so valid input is read once. From
-    ``config.MERGE_PARALLEL_MIN`` pairs (off by default) 2 x ``config.CPU_THREADS`` parts run on
-    threads, with the same result.
+    dependency chains overlap, the first from its largest index down and the second up from the
+    diagonal, so they meet without a gap to close; each index (and each matched pair) lives in
+    exactly one part, so the result is that of one sequential merge. The sorted-unique check is
+    fused into it (the output is strictly increasing iff both inputs are), so valid input is
+    read once. From ``config.MERGE_PARALLEL_MIN`` pairs (off by default) 2 x
+    ``config.CPU_THREADS`` parts run on threads, with the same result.
     """
     ia = as_indices("ia", ia)
     va = as_values("va", va)
@@ -455,12 +560,10 @@ def merge_add(ia, va, ib, vb):
     out_v = np.empty(na + nb, np.float32 if va.dtype == np.float16 else va.dtype)
     threads = cpu_threads(na + nb, config.MERGE_PARALLEL_MIN)
     if threads == 1:
-        c0, start, c1, ok = _merge_add(ia, _as_sum_dtype(va), ib, _as_sum_dtype(vb), out_i, out_v)
-        if c0 < start:
-            # close the gap left by part 0's matched pairs (NumPy moves overlapping ranges right)
-            out_i[c0 : c0 + c1] = out_i[start : start + c1]
-            out_v[c0 : c0 + c1] = out_v[start : start + c1]
-        count = c0 + c1
+        lo, hi, ok = _merge_add(ia, _as_sum_dtype(va), ib, _as_sum_dtype(vb), out_i, out_v)
+        out_i = out_i[lo:hi]
+        out_v = out_v[lo:hi]
+        count = hi - lo
     else:
         out_i, out_v, ok = _merge_add_parallel(
             ia, _as_sum_dtype(va), ib, _as_sum_dtype(vb), out_i, out_v, threads
