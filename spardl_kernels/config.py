@@ -38,6 +38,14 @@ WINDOW_SAMPLE_MIN = 1024
 WINDOW_SAMPLE_MAX = 16384
 WINDOW_SIGMAS = 4.0
 
+# --- streaming stores (accumulate_topk, accumulate_above) --------------------------------------
+# From this many bytes of X, the summing pass writes X = g + E with non-temporal stores, in
+# blocks of 64 sums from X's first 64-byte boundary on: the stores go to
+# memory without first reading each line into the cache, one stream of the pass's four fewer
+# (the sum alone at n = 25 M float32 took 0.7-0.75 of its time with them, docs/performance.md).
+# Below it X stays in the cache, where a later read of it is cheaper than the saved stream.
+STREAM_STORE_MIN_BYTES = 32 << 20
+
 # --- CPU threads (select_above, count_above, merge_add) -----------------------------------------
 # Threads of the multithreaded CPU workers. None: Numba's current setting (numba.get_num_threads(),
 # NUMBA_NUM_THREADS by default), capped under an MPI launcher at the process's cores divided by

@@ -653,6 +653,58 @@ def test_accumulate_topk_fused_window_on_large_blocks(dtype, sigmas):
             same_bits(a, b)
 
 
+THRESHOLDS_SMALL = st.sampled_from([0.0, 0.5, 1.0, 3.0, np.inf, np.nan, 1e-40])
+
+
+@SETTINGS
+@given(
+    data=st.data(),
+    dtype=st.sampled_from(DTYPES),
+    threshold=THRESHOLDS_SMALL,
+    window=st.sampled_from([0, 1 << 62]),
+)
+def test_summing_passes_with_streaming_stores(data, dtype, threshold, window):
+    """STREAM_STORE_MIN_BYTES = 0 streams every X: blocks from out's first 64-byte boundary,
+    non-temporal stores, hit bits recomputed from g and e. Into outs that start at every
+    offset from a 64-byte boundary, both summing passes give NumPy's result bit for bit, the
+    fused window (WINDOW_MIN_N 0; k about 1% of each block, where the window hits) and the
+    plain sum (2**62) alike, from arrays shorter than a block to 10**5 entries."""
+    large = data.draw(st.booleans())
+    size = data.draw(st.integers(40_000, 100_000) if large else st.integers(0, 200))
+    x = _numpy_vector(data.draw(st.integers(0, 2**32)), size, dtype, 1 if large else 0)
+    if large:
+        # 1% of one special value would fill the whole top 1%: the window is to select sums
+        x[~np.isfinite(x)] = 1.0
+    n = x.shape[0]
+    work = np.float32 if x.dtype == np.float16 else x.dtype
+    scales = [0.5, -1e-3] if large else [0.0, 0.5, -1e-3]
+    with np.errstate(all="ignore"):
+        e = data.draw(st.sampled_from(scales)) * x[::-1].astype(work)
+    shift = data.draw(st.integers(0, 64 // np.dtype(work).itemsize - 1))
+    raw = np.empty(n + 128, work)
+    base = (-raw.ctypes.data % 64) // raw.itemsize
+    out = raw[base + shift : base + shift + n]
+    P = data.draw(st.integers(1, 5))
+    bounds = naive.uniform_bounds(n, P)
+    few = st.integers(0, 3).map(lambda d: d - 1)  # -1: all but none
+    ks = np.array([int(m) // 100 + data.draw(few) for m in np.diff(bounds)], np.int64)
+    ks = np.clip(ks, 0, np.diff(bounds))
+    saved = config.STREAM_STORE_MIN_BYTES
+    config.STREAM_STORE_MIN_BYTES = 0
+    try:
+        with tuning(cutoff=0, window_min_n=window):
+            got_topk = sk.accumulate_topk(x, e, ks, bounds, out=out)
+            got_topk = tuple(np.array(a, copy=True) for a in got_topk)
+            got_above = sk.accumulate_above(x, e, threshold, out=out)
+    finally:
+        config.STREAM_STORE_MIN_BYTES = saved
+    with np.errstate(all="ignore"):
+        ref_topk = naive.accumulate_topk(x, e, ks, bounds)
+        ref_above = naive.accumulate_above(x, e, threshold)
+    for a, b in zip(got_topk + got_above, ref_topk + ref_above, strict=True):
+        same_bits(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # canonical NaN (docs/design.md §3.4): a computed NaN is one bit pattern, a copied one keeps its
 # own; compared as unsigned bits, payloads included

@@ -15,11 +15,26 @@ is checked when Numba's bounds checking is on (``NUMBA_BOUNDSCHECK=1``). Arrays 
 C-contiguous are read element by element (same result).
 """
 
+import warnings
+
 import numpy as np
 from llvmlite import ir
 from numba import njit
 from numba.core import cgutils, types
+from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import intrinsic, overload
+
+from .. import _contract
+from ._common import canonical
+
+# Numba's SSA check reports the mask of sum_mask's per-entry loop (below), once inlined into
+# a scan, as "not in scope" (NumbaIRAssumptionWarning, "an internal pedantic check"); the
+# compiled code is right (the kernel tests compare it with NumPy bit for bit), and the
+# variants without the warning either run the streamed scans at a sixth of their speed (a
+# called helper's reference counts between the non-temporal stores) or keep the warning.
+warnings.filterwarnings(
+    "ignore", message=r"variable '_sum_mask__locals__", category=NumbaIRAssumptionWarning
+)
 
 _LANES = 64
 
@@ -167,7 +182,10 @@ def lowest_set_bit(typingctx, m):
 def _shift_down(m, shift):
     """m >> shift for 0 <= shift <= 64 (64: an empty block, zero; a shift by the word's width
     is undefined in LLVM and returns m unchanged on x86)."""
-    return m >> np.uint64(shift) if shift < _LANES else np.uint64(0)
+    # branch-free: the shift by shift mod 64, then all ones or zero (no phi for the
+    # inlining scans to trip Numba's SSA check on)
+    keep = np.uint64(0) - np.uint64(shift < _LANES)
+    return (m >> np.uint64(shift & (_LANES - 1))) & keep
 
 
 @njit(inline="always", cache=True, nogil=True)
@@ -217,5 +235,204 @@ def _not_below_mask(x, s, stop, t):
 
     def loop(x, s, stop, t):
         return _not_below_loop(x, s, stop, t)
+
+    return loop
+
+
+# ---------------------------------------------------------------------------------------------
+# X = g + e written 64 sums at a time, with the hit mask of the sums (the summing scans)
+# ---------------------------------------------------------------------------------------------
+# The summing scans (accumulate_topk's window pass, accumulate_above) write X = g + e and test
+# the sums in the same loop. With ``stream``, a block of sums whose address is 64-byte aligned
+# is written with non-temporal stores: X then goes to memory without first being read into the
+# cache (a normal store reads each line before writing it), one stream of the pass's four
+# fewer. The scans never read X back while they run (a hit's bits are those of the sum in
+# registers, recomputed from g and e), and end with a fence, so later reads of X see every
+# sum. Worth it only when X is far larger than the caches: a small X read again soon after
+# would come back from memory instead of the cache (``config.STREAM_STORE_MIN_BYTES``).
+
+_STREAM_ALIGN = 64
+
+
+def _sum_block(context, builder, signature, args):
+    """The canonical sums g[s:s+64] + e[s:s+64] as a vector, stored into out[s:s+64]."""
+    g_v, e_v, out_v, s_v, stream_v = args[:5]
+    gty, ety, outty = signature.args[:3]
+    z = builder.fadd(
+        _block(context, builder, gty, g_v, s_v), _block(context, builder, ety, e_v, s_v)
+    )
+    bitwidth = gty.dtype.bitwidth
+    ivec = ir.VectorType(ir.IntType(bitwidth), _LANES)
+    nan_bits = int(_contract.CANONICAL_NAN_BITS[f"float{bitwidth}"])
+    nan = builder.bitcast(ir.Constant(ivec, [nan_bits] * _LANES), z.type)
+    z = builder.select(builder.fcmp_unordered("uno", z, z), nan, z)
+    out = context.make_array(outty)(context, builder, out_v)
+    intp = context.get_value_type(types.intp)
+    if context.enable_boundscheck:
+        length = cgutils.unpack_tuple(builder, out.shape, 1)[0]
+        cgutils.do_boundscheck(context, builder, s_v, length, 0)
+        last = builder.add(s_v, ir.Constant(intp, _LANES - 1))
+        cgutils.do_boundscheck(context, builder, last, length, 0)
+    if outty.layout != "C":
+        for lane in range(_LANES):
+            i = builder.add(s_v, ir.Constant(intp, lane))
+            ptr = cgutils.get_item_pointer(context, builder, outty, out, [i])
+            builder.store(builder.extract_element(z, ir.Constant(ir.IntType(32), lane)), ptr)
+        return z
+    ptr = builder.bitcast(builder.gep(out.data, [s_v]), z.type.as_pointer())
+    addr = builder.ptrtoint(ptr, intp)
+    aligned = builder.icmp_unsigned(
+        "==", builder.and_(addr, ir.Constant(intp, _STREAM_ALIGN - 1)), ir.Constant(intp, 0)
+    )
+    with builder.if_else(builder.and_(_as_bit(builder, stream_v), aligned)) as (
+        streamed,
+        cached,
+    ):
+        with streamed:
+            st = builder.store(z, ptr, align=_STREAM_ALIGN)
+            st.set_metadata(
+                "nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+            )
+        with cached:
+            builder.store(z, ptr, align=bitwidth // 8)
+    return z
+
+
+def _as_bit(builder, flag):
+    """A boolean argument as an i1 (Numba passes booleans as i1 or i8)."""
+    if flag.type.width == 1:
+        return flag
+    return builder.icmp_unsigned("!=", flag, ir.Constant(flag.type, 0))
+
+
+def _float_arrays(*arrays):
+    return (
+        all(
+            isinstance(a, types.Array) and a.ndim == 1 and isinstance(a.dtype, types.Float)
+            for a in arrays
+        )
+        and len({a.dtype for a in arrays}) == 1
+    )
+
+
+@intrinsic
+def sum64_not_below(typingctx, g, e, out, s, stream, t):
+    """out[s:s+64] = g + e (a NaN sum canonical; streamed when ``stream`` and the block is
+    64-byte aligned); bit l of the result (uint64) is set iff ``not (|sum_l| < t)``."""
+    if not (_float_arrays(g, e, out) and isinstance(s, types.Integer)):
+        return None
+    sig = types.uint64(g, e, out, types.intp, types.boolean, g.dtype)
+
+    def codegen(context, builder, signature, args):
+        z = _sum_block(context, builder, signature, args)
+        fabs = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(z.type, [z.type]),
+            f"llvm.fabs.v{_LANES}f{signature.args[0].dtype.bitwidth}",
+        )
+        uge = builder.fcmp_unordered(
+            ">=", builder.call(fabs, [z]), _splat(builder, args[5], z.type)
+        )
+        return _mask_word(builder, uge)
+
+    return sig, codegen
+
+
+@intrinsic
+def sum64_key_ge(typingctx, g, e, out, s, stream, K, mask):
+    """out[s:s+64] = g + e as :func:`sum64_not_below` writes it; bit l of the result (uint64)
+    is set iff ``(bits(sum_l) & mask) >= K`` (signed, in the sums' integer width)."""
+    if not (_float_arrays(g, e, out) and isinstance(s, types.Integer)):
+        return None
+    ity = types.int32 if g.dtype.bitwidth == 32 else types.int64
+    sig = types.uint64(g, e, out, types.intp, types.boolean, ity, ity)
+
+    def codegen(context, builder, signature, args):
+        z = _sum_block(context, builder, signature, args)
+        ivec = ir.VectorType(ir.IntType(signature.args[0].dtype.bitwidth), _LANES)
+        keys = builder.and_(builder.bitcast(z, ivec), _splat(builder, args[6], ivec))
+        return _mask_word(builder, builder.icmp_signed(">=", keys, _splat(builder, args[5], ivec)))
+
+    return sig, codegen
+
+
+@intrinsic
+def float_bits(typingctx, v):
+    """The bits of a float32/float64 as int32/int64 (an integer is returned as it is)."""
+    if isinstance(v, types.Integer):
+        return v(v), lambda context, builder, signature, args: args[0]
+    if not isinstance(v, types.Float):
+        return None
+    ity = types.int32 if v.bitwidth == 32 else types.int64
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(v.bitwidth))
+
+    return ity(v), codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A full memory fence (``mfence`` on x86): orders the non-temporal stores before it with
+    every later load and store."""
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@njit(inline="always", cache=True, nogil=True)
+def stream_head(out, n, stream):
+    """How many leading entries of ``out`` (at most n) come before its first 64-byte aligned
+    address, where a summing scan starts its blocks so that they can be streamed; 0 without
+    ``stream``."""
+    if not stream:
+        return 0
+    item = out.itemsize
+    return min(n, ((_STREAM_ALIGN - out.ctypes.data % _STREAM_ALIGN) % _STREAM_ALIGN) // item)
+
+
+def sum_mask(g, e, out, s, stop, stream, usable, t, K_t, mask_t):
+    """out[i] = g[i] + e[i] (a NaN sum canonical) for i in [s, min(s + 64, stop)), and the hit
+    mask of those sums: ``not (|sum| < t)`` with ``usable``, else ``(bits(sum) & mask) >= K``.
+
+    Compiled code only; stop <= len(g). A short last block is summed as the 64 entries that end
+    at stop (rewriting earlier sums with the same values) and shifted, as :func:`hit_mask`
+    reads it; arrays of fewer than 64 entries are summed and tested entry by entry. Integer
+    arrays (the bit views a non-summing scan is typed with) compile to the per-entry loop.
+    """
+    raise NotImplementedError("sum_mask is called from compiled code only")
+
+
+@njit(inline="always", cache=True, nogil=True)
+def _sum_mask_loop(g, e, out, s, stop, usable, t, K_t, mask_t):
+    m = np.uint64(0)
+    for l in range(stop - s):
+        v = canonical(g[s + l] + e[s + l])
+        out[s + l] = v
+        # bitwise, not `and`/`or`: no branches in a loop that is inlined into the scans
+        hit = (usable & (not (abs(v) < t))) | ((not usable) & ((float_bits(v) & mask_t) >= K_t))
+        m |= np.uint64(hit) << np.uint64(l)
+    return m
+
+
+@overload(sum_mask, inline="always")
+def _sum_mask(g, e, out, s, stop, stream, usable, t, K_t, mask_t):
+    if _float_arrays(g, e, out):
+
+        def impl(g, e, out, s, stop, stream, usable, t, K_t, mask_t):
+            if stop >= _LANES:
+                r = min(s, stop - _LANES)
+                if usable:
+                    return _shift_down(sum64_not_below(g, e, out, r, stream, t), s - r)
+                return _shift_down(sum64_key_ge(g, e, out, r, stream, K_t, mask_t), s - r)
+            return _sum_mask_loop(g, e, out, s, stop, usable, t, K_t, mask_t)
+
+        return impl
+
+    def loop(g, e, out, s, stop, stream, usable, t, K_t, mask_t):
+        return _sum_mask_loop(g, e, out, s, stop, usable, t, K_t, mask_t)
 
     return loop
