@@ -182,10 +182,7 @@ def lowest_set_bit(typingctx, m):
 def _shift_down(m, shift):
     """m >> shift for 0 <= shift <= 64 (64: an empty block, zero; a shift by the word's width
     is undefined in LLVM and returns m unchanged on x86)."""
-    # branch-free: the shift by shift mod 64, then all ones or zero (no phi for the
-    # inlining scans to trip Numba's SSA check on)
-    keep = np.uint64(0) - np.uint64(shift < _LANES)
-    return (m >> np.uint64(shift & (_LANES - 1))) & keep
+    return m >> np.uint64(shift) if shift < _LANES else np.uint64(0)
 
 
 @njit(inline="always", cache=True, nogil=True)

@@ -279,14 +279,17 @@ def _window_pass(bits, x, k, mask, nan_key, lo, hi, cap, normal_key, inf_key, fo
 
 
 @njit(inline="always", **JIT)
-def _file_hits(m, s, gp, ep, bp, summing, mask, nan_key, hi, k, cap, j, c, found):
+def _file_hits(
+    m, s, gp, ep, bp, summing, mask, nan_key, hi, k, cap, j, c,
+    definite, def_bits, cand_idx, cand_key, cand_bits,
+):  # fmt: skip
     """File the hits of mask ``m`` (block at s) into the window lists ``found``; returns the new
     (j, c). Each hit is written to both lists and only the right count moves (the lists have
     one slot more than they hold, and a full list keeps overwriting that slot while counting
     on), so there is no unpredictable branch. A hit's bits: those of the sum g + e, recomputed
     (``summing``), else bp's. Inlined into the scans (a called helper's array arguments cost
-    reference-count updates on every call: twice the time of the whole pass at density 1 %)."""
-    definite, def_bits, cand_idx, cand_key, cand_bits = found
+    reference-count updates on every call: twice the time of the whole pass at density 1 %;
+    the lists come as five arrays, unpacked once by the caller, for the same reason)."""
     while m:
         l, m = _low_bit(m)
         i = s + l
@@ -335,6 +338,7 @@ def _window_scan(
     n = stop - start
     mask_t = bits.dtype.type(mask)
     lo_t = bits.dtype.type(lo)
+    definite, def_bits, cand_idx, cand_key, cand_bits = found
     j = 0
     c = 0
     if summing:
@@ -352,7 +356,8 @@ def _window_scan(
                 s = head + (b - first) * 64
                 m = sum_mask(gp, ep, op, s, min(s + 64, n), stream, usable, t, lo_t, mask_t)
             j, c = _file_hits(
-                m, s, gp, ep, bp, True, mask, nan_key, hi, k, cap, j, c, found
+                m, s, gp, ep, bp, True, mask, nan_key, hi, k, cap, j, c, definite, def_bits,
+                cand_idx, cand_key, cand_bits,
             )  # fmt: skip
         store_fence()
     else:
@@ -364,7 +369,8 @@ def _window_scan(
             else:
                 m = hit_mask(bp, s, stop_b, lo_t, mask_t)
             j, c = _file_hits(
-                m, s, gp, ep, bp, False, mask, nan_key, hi, k, cap, j, c, found
+                m, s, gp, ep, bp, False, mask, nan_key, hi, k, cap, j, c, definite, def_bits,
+                cand_idx, cand_key, cand_bits,
             )  # fmt: skip
     ok = j < k and c <= cap and j + c >= k
     return ok, min(j, k), min(c, cap), found
