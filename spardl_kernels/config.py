@@ -42,8 +42,10 @@ WINDOW_SIGMAS = 4.0
 # From this many bytes of X, the summing pass writes X = g + E with non-temporal stores, in
 # blocks of 64 sums from X's first 64-byte boundary on: the stores go to
 # memory without first reading each line into the cache, one stream of the pass's four fewer
-# (the sum alone at n = 25 M float32 took 0.7-0.75 of its time with them, docs/performance.md).
-# Below it X stays in the cache, where a later read of it is cheaper than the saved stream.
+# (an error-feedback step at n = 25 M float32 took 0.77-0.80 of its time with them,
+# docs/performance.md, "An AVX-512 machine").
+# Below it X is written normally and stays in the cache for the reads that follow it (where the
+# break-even lies was not measured; 32 MiB is far above an L2 and below the n = 25 M tested).
 STREAM_STORE_MIN_BYTES = 32 << 20
 
 # --- CPU threads (select_above, count_above, merge_add) -----------------------------------------
