@@ -39,17 +39,22 @@ warnings.filterwarnings(
 _LANES = 64
 
 
+def _check_block(context, builder, ary, s):
+    """With Numba's bounds checking on, the check that a[s : s + 64] lies inside the array."""
+    if context.enable_boundscheck:
+        length = cgutils.unpack_tuple(builder, ary.shape, 1)[0]
+        cgutils.do_boundscheck(context, builder, s, length, 0)
+        last = builder.add(s, ir.Constant(context.get_value_type(types.intp), _LANES - 1))
+        cgutils.do_boundscheck(context, builder, last, length, 0)
+
+
 def _block(context, builder, aryty, ary_v, s):
     """The 64 entries a[s : s + 64] as an LLVM vector (one load for a C-contiguous array)."""
     ary = context.make_array(aryty)(context, builder, ary_v)
     elem = context.get_data_type(aryty.dtype)
     vecty = ir.VectorType(elem, _LANES)
     intp = context.get_value_type(types.intp)
-    if context.enable_boundscheck:
-        length = cgutils.unpack_tuple(builder, ary.shape, 1)[0]
-        cgutils.do_boundscheck(context, builder, s, length, 0)
-        last = builder.add(s, ir.Constant(intp, _LANES - 1))
-        cgutils.do_boundscheck(context, builder, last, length, 0)
+    _check_block(context, builder, ary, s)
     if aryty.layout == "C":
         ptr = builder.bitcast(builder.gep(ary.data, [s]), vecty.as_pointer())
         return builder.load(ptr, align=aryty.dtype.bitwidth // 8)
@@ -265,11 +270,7 @@ def _sum_block(context, builder, signature, args):
     z = builder.select(builder.fcmp_unordered("uno", z, z), nan, z)
     out = context.make_array(outty)(context, builder, out_v)
     intp = context.get_value_type(types.intp)
-    if context.enable_boundscheck:
-        length = cgutils.unpack_tuple(builder, out.shape, 1)[0]
-        cgutils.do_boundscheck(context, builder, s_v, length, 0)
-        last = builder.add(s_v, ir.Constant(intp, _LANES - 1))
-        cgutils.do_boundscheck(context, builder, last, length, 0)
+    _check_block(context, builder, out, s_v)
     if outty.layout != "C":
         for lane in range(_LANES):
             i = builder.add(s_v, ir.Constant(intp, lane))
