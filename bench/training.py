@@ -41,6 +41,11 @@ CONFIGS = {
     "gaussiank": ["--algorithm", "gaussiank"],
     "topkdsa": ["--algorithm", "topkdsa"],
     "spardl-d2": ["--algorithm", "spardl", "--teams", "2"],
+    # d = 4 teams (it must divide the world size; at the default P = 4 every rank is its own
+    # team): one X = g + E pass selecting the top-h, a Bruck all-gather, the top-k of the union.
+    "spardl-d4": ["--algorithm", "spardl", "--teams", "4"],
+    # The library's own choice among dense, SparDL (each d), Ok-Topk and TopkA (docs/design.md §12).
+    "auto": ["--algorithm", "auto", "--explain"],
     # Deep Gradient Compression's techniques on SparDL (spardl.torch; arXiv 1712.01887 §3.2-3.3),
     # one at a time and together; "dgc" = momentum correction with factor masking, local
     # clipping and the density warm-up. --clip-norm and --density-warmup set their parameters.
