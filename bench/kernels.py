@@ -136,6 +136,11 @@ def _time_sparse_kernels(rows, repeat):
     ri = np.concatenate([r[0] for r in runs])
     rv = np.concatenate([r[1] for r in runs])
     rows["coalesce 8 runs x 20k"] = timeit(lambda: sk.coalesce(ri, rv), repeat)
+    # SparDL with d = P = 4 at n = 25 M, ρ = 1 %: four ranks' top-h (h = k/P) from 25 M entries
+    runs4 = [sorted_pairs(rng, 62_500, 25_000_000) for _ in range(4)]
+    qi = np.concatenate([r[0] for r in runs4])
+    qv = np.concatenate([r[1] for r in runs4])
+    rows["coalesce 4 runs x 62.5k"] = timeit(lambda: sk.coalesce(qi, qv), repeat)
     ui = rng.integers(0, 1 << 40, 1_000_000)
     uv = rng.standard_normal(ui.shape[0]).astype(np.float32)
     rows["coalesce 1M random"] = timeit(lambda: sk.coalesce(ui, uv), repeat)

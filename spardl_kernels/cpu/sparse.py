@@ -22,6 +22,7 @@ from ._common import (
     cpu_threads,
     narrow_half,
     numba_threads,
+    scratch,
     widen_half,
 )
 
@@ -363,14 +364,6 @@ def _merge_add_parallel(ia, va, ib, vb, out_i, out_v, threads):
 
 
 @njit(**JIT)
-def _min_index(idx):
-    m = np.int64(0)
-    for i in range(idx.shape[0]):
-        m = min(m, np.int64(idx[i]))
-    return m
-
-
-@njit(**JIT)
 def _merge_runs(src_i, src_v, dst_i, dst_v, bounds, nruns):
     """One pass of a bottom-up natural merge: merge runs 2j and 2j+1 (stable: on equal indices
     the left run's entries come first). Returns the number of runs left; ``bounds`` updated."""
@@ -419,52 +412,124 @@ def _merge_runs(src_i, src_v, dst_i, dst_v, bounds, nruns):
 
 
 @njit(**JIT)
+def _emit(out_i, out_v, o, prev, i, v):
+    """Append (i, v) to the summed output whose last entry is at o with index prev (o = -1:
+    empty): added into it when i == prev (a NaN sum canonical), else a new entry. Returns
+    the new (o, prev)."""
+    if o >= 0 and i == prev:
+        out_v[o] = canonical(out_v[o] + v)
+        return o, prev
+    o += 1
+    out_i[o] = i
+    out_v[o] = v
+    return o, i
+
+
+@njit(**JIT)
 def _sum_sorted(idx, val, out_i, out_v):
     """Sum each run of equal indices of a sorted (idx, val), left to right (a NaN sum canonical,
     a lone entry copied); the length used."""
     o = -1
     prev = np.int64(-1)
     for p in range(idx.shape[0]):
-        i = np.int64(idx[p])
-        if o >= 0 and i == prev:
-            out_v[o] = canonical(out_v[o] + val[p])
-        else:
-            o += 1
-            out_i[o] = i
-            out_v[o] = val[p]
-            prev = i
+        o, prev = _emit(out_i, out_v, o, prev, np.int64(idx[p]), val[p])
     return o + 1
 
 
 @njit(**JIT)
-def _coalesce(indices, values):
-    """Stable sort by index (a bottom-up natural merge sort: O(m log R) for R ascending runs, so
-    one pass for sorted input and few for concatenated sorted vectors), then sum each run of
-    equal indices in original-position order."""
+def _runs_and_min(indices):
+    """(R, smallest index): R the number of ascending runs (a run ends where an index is below
+    the one before it; 0 for no entries)."""
     n = indices.shape[0]
-    out_i = np.empty(n, indices.dtype)
-    out_v = np.empty(n, values.dtype)
-    bounds = np.empty(n + 1, np.int64)  # bounds[r]: where ascending run r starts
-    bounds[0] = 0
-    nruns = 1 if n > 0 else 0
+    if n == 0:
+        return 0, np.int64(0)
+    runs = 1
+    low = np.int64(indices[0])
     for i in range(1, n):
+        runs += np.int64(indices[i] < indices[i - 1])
+        low = min(low, np.int64(indices[i]))
+    return runs, low
+
+
+@njit(**JIT)
+def _run_bounds(indices, nruns):
+    """nruns + 1 int64 bounds: where each ascending run starts, then the length."""
+    bounds = np.empty(nruns + 1, np.int64)
+    bounds[0] = 0
+    r = 1
+    for i in range(1, indices.shape[0]):
         if indices[i] < indices[i - 1]:
-            bounds[nruns] = i
-            nruns += 1
-    bounds[nruns] = n
-    if nruns <= 1:
-        m = _sum_sorted(indices, values, out_i, out_v)
-        return out_i[:m].copy(), out_v[:m].copy()
-    a_i = indices.copy()
-    a_v = values.copy()
-    b_i = np.empty_like(a_i)
-    b_v = np.empty_like(a_v)
-    while nruns > 1:
+            bounds[r] = i
+            r += 1
+    bounds[nruns] = indices.shape[0]
+    return bounds
+
+
+@njit(**JIT)
+def _merge_sum(src_i, src_v, lo, mid, hi, out_i, out_v):
+    """Stable merge of the ascending runs [lo, mid) and [mid, hi) (equal indices: the left
+    run's first) straight into the summed output: each run of equal indices is summed in the
+    merged order, which is the order of original position. Returns the output length."""
+    o = -1
+    prev = np.int64(-1)
+    a = lo
+    b = mid
+    while a < mid and b < hi:
+        # the choice branch-free (a coin toss on real data); a duplicate is the rare branch
+        ka = np.int64(src_i[a])
+        kb = np.int64(src_i[b])
+        take_b = kb < ka
+        k = kb if take_b else ka
+        v = src_v[b] if take_b else src_v[a]
+        b += np.int64(take_b)
+        a += np.int64(not take_b)
+        o, prev = _emit(out_i, out_v, o, prev, k, v)
+    while a < mid:
+        o, prev = _emit(out_i, out_v, o, prev, np.int64(src_i[a]), src_v[a])
+        a += 1
+    while b < hi:
+        o, prev = _emit(out_i, out_v, o, prev, np.int64(src_i[b]), src_v[b])
+        b += 1
+    return o + 1
+
+
+@njit(**JIT)
+def _coalesce_runs(indices, values, bounds, nruns, t_i, t_v, u_i, u_v, out_i, out_v):
+    """Coalesce R = nruns ≥ 2 ascending runs: merge passes pairing runs (a bottom-up natural
+    merge sort) from the input into t, then between t and u (needed from R > 4 on), until two
+    runs are left, whose merge writes the summed output. Returns its length."""
+    if nruns == 2:
+        return _merge_sum(indices, values, 0, bounds[1], bounds[2], out_i, out_v)
+    nruns = _merge_runs(indices, values, t_i, t_v, bounds, nruns)
+    a_i, a_v, b_i, b_v = t_i, t_v, u_i, u_v
+    while nruns > 2:
         nruns = _merge_runs(a_i, a_v, b_i, b_v, bounds, nruns)
         a_i, b_i = b_i, a_i
         a_v, b_v = b_v, a_v
-    m = _sum_sorted(a_i, a_v, out_i, out_v)
-    return out_i[:m].copy(), out_v[:m].copy()
+    return _merge_sum(a_i, a_v, 0, bounds[1], bounds[2], out_i, out_v)
+
+
+def _coalesce(indices, values, nruns):
+    """Stable sort by index (a bottom-up natural merge sort: ⌈log₂R⌉ passes for R ascending
+    runs, the last one summing as it merges) and the sum of each run of equal indices in
+    original-position order. The merge passes before the last write into per-thread scratch;
+    the result is fresh (a copy of its used part when duplicates left less than half)."""
+    n = indices.shape[0]
+    out_i = np.empty(n, indices.dtype)
+    out_v = np.empty(n, values.dtype)
+    if nruns <= 1:
+        m = _sum_sorted(indices, values, out_i, out_v)
+    else:
+        bounds = _run_bounds(indices, nruns)
+        t_i = scratch("coalesce t_i", n, indices.dtype)
+        t_v = scratch("coalesce t_v", n, values.dtype)
+        deep = nruns > 4  # a third pass or more: a second pair of buffers
+        u_i = scratch("coalesce u_i", n if deep else 0, indices.dtype)
+        u_v = scratch("coalesce u_v", n if deep else 0, values.dtype)
+        m = _coalesce_runs(indices, values, bounds, nruns, t_i, t_v, u_i, u_v, out_i, out_v)
+    if 2 * m < n:
+        return out_i[:m].copy(), out_v[:m].copy()
+    return out_i[:m], out_v[:m]
 
 
 @njit(**JIT)
@@ -626,8 +691,9 @@ def coalesce(indices, values):
     indices = as_indices("indices", indices)
     values = as_values("values", values)
     _validate.check_same_length("values", values.shape[0], "indices", indices.shape[0])
-    _validate.require(_min_index(indices) >= 0, "indices", "must be non-negative")
-    out_i, out_v = _coalesce(indices, _as_sum_dtype(values))
+    nruns, low = _runs_and_min(indices)
+    _validate.require(low >= 0, "indices", "must be non-negative")
+    out_i, out_v = _coalesce(indices, _as_sum_dtype(values), nruns)
     if values.dtype == np.float16:
         out_v = narrow_half(out_v)
     return out_i, out_v
