@@ -364,6 +364,19 @@ def _merge_add_parallel(ia, va, ib, vb, out_i, out_v, threads):
 
 
 @njit(**JIT)
+def _merge_step(src_i, src_v, a, b):
+    """The next pair of a stable merge of two ascending runs at a (left) and b (right): the
+    smaller index, the left one on a tie. Branch-free (on real data the comparison is a coin
+    toss). Returns (index as int64, value, a, b) with the taken run's position advanced."""
+    ka = np.int64(src_i[a])
+    kb = np.int64(src_i[b])
+    take_b = kb < ka
+    k = kb if take_b else ka
+    v = src_v[b] if take_b else src_v[a]
+    return k, v, a + np.int64(not take_b), b + np.int64(take_b)
+
+
+@njit(**JIT)
 def _merge_runs(src_i, src_v, dst_i, dst_v, bounds, nruns):
     """One pass of a bottom-up natural merge: merge runs 2j and 2j+1 (stable: on equal indices
     the left run's entries come first). Returns the number of runs left; ``bounds`` updated."""
@@ -385,14 +398,7 @@ def _merge_runs(src_i, src_v, dst_i, dst_v, bounds, nruns):
         b = mid
         o = lo
         while a < mid and b < hi:
-            # branch-free step (the comparison is a coin toss on real data)
-            ka = src_i[a]
-            kb = src_i[b]
-            take_b = kb < ka
-            dst_i[o] = kb if take_b else ka
-            dst_v[o] = src_v[b] if take_b else src_v[a]
-            b += np.int64(take_b)
-            a += np.int64(not take_b)
+            dst_i[o], dst_v[o], a, b = _merge_step(src_i, src_v, a, b)
             o += 1
         while a < mid:
             dst_i[o] = src_i[a]
@@ -475,15 +481,8 @@ def _merge_sum(src_i, src_v, lo, mid, hi, out_i, out_v):
     a = lo
     b = mid
     while a < mid and b < hi:
-        # the choice branch-free (a coin toss on real data); a duplicate is the rare branch
-        ka = np.int64(src_i[a])
-        kb = np.int64(src_i[b])
-        take_b = kb < ka
-        k = kb if take_b else ka
-        v = src_v[b] if take_b else src_v[a]
-        b += np.int64(take_b)
-        a += np.int64(not take_b)
-        o, prev = _emit(out_i, out_v, o, prev, k, v)
+        k, v, a, b = _merge_step(src_i, src_v, a, b)
+        o, prev = _emit(out_i, out_v, o, prev, k, v)  # a duplicate is the rare branch
     while a < mid:
         o, prev = _emit(out_i, out_v, o, prev, np.int64(src_i[a]), src_v[a])
         a += 1
