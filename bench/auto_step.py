@@ -8,9 +8,10 @@ A step's time is the slowest rank's (a barrier before each step, the maximum aft
 allreducers (``--rounds`` rounds of ``--steps`` steps each, the order rotated every round), so
 that a change in the machine's load falls on all of them alike.
 ``auto`` runs from its construction: its trial steps are counted in "auto (all)", and "auto
-(chosen)" counts its steps after the trials; the trials amortised over its first decision
-interval are printed below the table (median and mean ms per step, ratio of medians to the best
-fixed choice), with ``auto``'s explanation (``stats["auto"]``), on rank 0.
+(chosen)" counts its steps after the trials (the candidates it pruned are not tried); the
+trials amortised over its first decision interval are printed below the table (median and
+mean ms per step, ratio of medians to the best fixed choice), with ``auto``'s explanation
+(``stats["auto"]``), on rank 0.
 """
 
 from __future__ import annotations
@@ -87,8 +88,7 @@ def _run(a, names, fixed, auto, step):
     for name in names:
         for _ in range(a.warmup):
             step(fixed[name])
-    T = a.trials * len(names)
-    while auto.step < T:  # the trials, then rounds in a rotating order
+    while auto.stats["auto"]["phase"] == "trials":  # the trials, then rounds in a rotating order
         t = step(auto)
         times["auto (all)"].append(t)
         trial_times.append(t)
@@ -122,12 +122,13 @@ def _report(a, P, names, times, trial_times, built, auto) -> None:
             f"{name:<16} {med * 1e3:>10.2f} {float(np.mean(ts)) * 1e3:>9.2f} "
             f"{len(ts):>6} {med / ref:>7.3f}"
         )
-    T = a.trials * len(names)
+    T = len(trial_times)  # fewer than trials x candidates where auto pruned some
+    tried = [k for k in names if k not in auto.stats["auto"]["not_tried"]]
     chosen = float(np.median(times["auto (chosen)"]))
     first = (sum(trial_times) + a.interval * chosen) / (T + a.interval)
     # The trials priced at this run's medians (they ran before the rounds, at another load):
-    # each candidate's trial steps cost its median over the best's.
-    extra = a.trials * sum(float(np.median(times[k])) / ref - 1 for k in names)
+    # each tried candidate's trial steps cost its median over the best's.
+    extra = a.trials * sum(float(np.median(times[k])) / ref - 1 for k in tried)
     print(
         f"best fixed choice: {best}; auto's first {T} + {a.interval} steps (its trials as "
         f"timed, then the chosen step's median): {first * 1e3:.2f} ms per step, "

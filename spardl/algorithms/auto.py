@@ -53,10 +53,11 @@ _CLASSES = {
     "topkdsa": TopkDSA,
     "gaussiank": Gaussiank,
 }
-#: The default candidates (SparDL with every feasible number of teams). gTop-k is left out: it
-#: does not conserve (the partial sums its tree drops belong to no rank's residual); name it in
-#: ``candidates`` to allow it anyway.
-DEFAULT = ("dense", "spardl", "oktopk", "topka")
+#: The default candidates (SparDL with every feasible number of teams), in trial order: dense
+#: last, so that on a slow link the sparse steps measured first can spare its trial (``prune``).
+#: gTop-k is left out: it does not conserve (the partial sums its tree drops belong to no rank's
+#: residual); name it in ``candidates`` to allow it anyway.
+DEFAULT = ("spardl", "oktopk", "topka", "dense")
 #: Ping-pong sizes (bytes) and round trips per size of the measurement at construction.
 PINGPONG_SIZES = (8, 4096, 262144)
 PINGPONG_REPEAT = 5
@@ -88,8 +89,8 @@ def candidate_names(P: int, candidates=None) -> list[str]:
         World size.
     candidates : sequence of str, optional
         Names to choose among: a key of :data:`spardl.ALGORITHMS`, where ``"spardl"`` stands for
-        SparDL with every d dividing P, or ``"spardl:d=<d>"`` for one d. Default: dense, SparDL
-        with every d, Ok-Topk and TopkA.
+        SparDL with every d dividing P, or ``"spardl:d=<d>"`` for one d. Default: SparDL with
+        every d, Ok-Topk, TopkA and dense.
 
     Returns
     -------
@@ -146,8 +147,9 @@ class Auto(Allreducer):
     comm, n, density, op, residual, nonfinite, check, wire
         As :class:`spardl.algorithms.base.Allreducer`; every candidate runs with them.
     candidates : list of str, optional
-        What to choose among (:func:`candidate_names`). Default: ``dense`` (MPI's own
-        Allreduce), SparDL with every d dividing P (``"spardl:d=<d>"``), Ok-Topk and TopkA.
+        What to choose among (:func:`candidate_names`), in trial order. Default: SparDL with
+        every d dividing P (``"spardl:d=<d>"``), Ok-Topk, TopkA and ``dense`` (MPI's own
+        Allreduce).
         gTop-k is eligible only when named here: it does not conserve (its tree drops partial
         sums that no residual keeps), so with it the conservation invariant holds on the steps
         of the other candidates only.
@@ -158,6 +160,11 @@ class Auto(Allreducer):
         last ``trials`` steps is its estimate, the current candidate's refreshed by every step
         it runs; the first step of each absorbs first-call costs). 0: no trials; the choice is
         the model's communication time alone.
+    prune : float, default 2.0
+        A candidate is not tried when the model's communication alone, C_c, exceeds ``prune``
+        times the fastest step measured so far (each candidate's least step, the maximum over
+        ranks): it cannot win unless the model overstates its communication that much. Its
+        prediction is then C_c. 0 tries every candidate; otherwise ≥ 1.
     alpha, beta : float, optional
         Seconds per message and per byte, ≥ 0, both or neither. Default: measured at
         construction by a ping-pong between ranks 0 and 1 (18 round trips of 8 B to
@@ -194,6 +201,7 @@ class Auto(Allreducer):
         "candidates": None,
         "interval": 100,
         "trials": 3,
+        "prune": 2.0,
         "alpha": None,
         "beta": None,
         "fit": None,
@@ -215,12 +223,15 @@ class Auto(Allreducer):
         self._pending: dict[int, tuple] = {}  # loaded states of candidates not built yet
         self._choice = 0
         self._flush = False
-        self._trial_start = 0
+        self._trial = [0, 0]  # in the trials: [candidate index, its steps so far]; else None
+        self._since = 0  # steps since the last decision
+        self._skipped: list[int] = []  # candidates the trials left out (prune)
         self._decisions = 0
         self._switches = 0
         self._predicted: dict = {}
         self._decided_at = None
         if self.trials == 0:
+            self._trial = None
             self._decide()
         else:
             self._use(0)
@@ -236,6 +247,9 @@ class Auto(Allreducer):
         self.trials = check_int("trials", o["trials"])
         if self.trials < 0:
             raise ValueError(f"trials must be >= 0, got {self.trials}")
+        self.prune = float(check_float("prune", o["prune"]))
+        if not (self.prune == 0 or 1 <= self.prune < math.inf):
+            raise ValueError(f"prune must be 0 or a finite number >= 1, got {self.prune}")
         self.hysteresis = float(check_float("hysteresis", o["hysteresis"]))
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
@@ -356,6 +370,7 @@ class Auto(Allreducer):
         """As :meth:`Allreducer.__call__`, with the current candidate's step (module docstring);
         after an applied step, a trial switch or a decision may follow (collective)."""
         before = self.step
+        flush = self._flush and self._dense_now()
         with self.comm.mpi_clock() as spent:  # the seconds inside MPI calls, as they end
             t0 = time.perf_counter()
             out = super().__call__(grad)
@@ -365,9 +380,13 @@ class Auto(Allreducer):
             i = self._choice
             if not self._dense_now():
                 self._inner(i).step += 1  # Ok-Topk's periodic re-estimations count its steps
-            local = wall - self._communication(self.cands[i])
-            self._times[i].append((local, wall, inside))
-            self._after_step()
+            # The generic step that flushes E is not dense's step: it is not timed as one, and
+            # in the trials it is not one of dense's trial steps.
+            if not flush:
+                local = wall - self._communication(self.cands[i])
+                self._times[i].append((local, wall, inside))
+            if not (flush and self._trial is not None):
+                self._after_step()
         return out
 
     def _step(self, grad):
@@ -417,13 +436,38 @@ class Auto(Allreducer):
 
     # -- decisions ------------------------------------------------------------------------------
     def _after_step(self) -> None:
-        rel = self.step - self._trial_start
-        T = self.trials * len(self.cands)
-        if rel < T:
-            self._use(rel // self.trials)
+        if self._trial is None:
+            self._since += 1
+            if self._since % self.interval == 0:
+                self._decide(incumbent=True)
+            return
+        self._trial[1] += 1
+        if self._trial[1] < self.trials:
+            return
+        nxt = self._next_trial(self._trial[0] + 1)
+        if nxt is None:
+            self._trial = None
+            self._since = 0
+            self._decide()
+        else:
+            self._trial = [nxt, 0]
+            self._use(nxt)
             self._report()
-        elif rel == T or (rel - T) % self.interval == 0:
-            self._decide(incumbent=rel > T)
+
+    def _next_trial(self, j: int):
+        """The next candidate from index j on to try, or None: the trials are over. Candidates
+        whose modelled communication exceeds ``prune`` times the fastest step measured so far
+        (agreed: each rank's least wall time, the maximum over ranks) are skipped."""
+        if j >= len(self.cands) or not self.prune:
+            return j if j < len(self.cands) else None
+        walls = [min(t[1] for t in w) for w in self._times if w]
+        fastest = max(self.comm.allgather_object(min(walls), control=True))
+        while j < len(self.cands):
+            if self._communication(self.cands[j]) <= self.prune * fastest:
+                return j
+            self._skipped.append(j)
+            j += 1
+        return None
 
     def _word_bytes(self) -> tuple[float, float]:
         """Bytes per word with ``wire="coo"``: of the sparse candidates (an index and a value
@@ -512,15 +556,16 @@ class Auto(Allreducer):
 
     def _report(self) -> None:
         """``stats["auto"]``: the choice and the last decision's predictions."""
-        rel = self.step - self._trial_start
         self.comm.stats["auto"] = {
             "choice": self.cands[self._choice].name,
-            "phase": "trials" if rel < self.trials * len(self.cands) else "chosen",
+            "phase": "chosen" if self._trial is None else "trials",
             "decided_at_step": self._decided_at,
             "decisions": self._decisions,
             "switches": self._switches,
             "interval": self.interval,
             "trials": self.trials,
+            "prune": self.prune,
+            "not_tried": [self.cands[j].name for j in self._skipped],
             "hysteresis": self.hysteresis,
             "alpha": self.alpha,
             "beta": self.beta,
@@ -555,13 +600,16 @@ class Auto(Allreducer):
             "choice": self.cands[i].name,
             "flush": self._flush,
             "inner": self._inner_state(i),
-            "trial_start": self._trial_start,
+            "trial": None if self._trial is None else list(self._trial),
+            "since": self._since,
+            "not_tried": list(self._skipped),
             "times": [[list(t) for t in w] for w in self._times],
         }
 
     def _load_extra_state(self, state) -> None:
         if not state:  # a state without it (folded for another world size): trials afresh
-            self._trial_start = self.step
+            self._trial = [0, 0] if self.trials else None
+            self._since, self._skipped = 0, []
             for w in self._times:
                 w.clear()
             self._choice = 0
@@ -585,7 +633,17 @@ class Auto(Allreducer):
                 self._pending[i] = tuple(inner)
         self._choice, self._flush = i, bool(state["flush"])
         self.device_resident = _CLASSES[self.cands[i].algorithm].device_resident
-        self._trial_start = int(state["trial_start"])
+        if "trial" in state:
+            trial = state["trial"]
+            self._trial = None if trial is None else [int(trial[0]), int(trial[1])]
+            self._since = int(state["since"])
+            self._skipped = [int(j) for j in state["not_tried"]]
+        else:  # saved before `prune`: the steps since the trials began
+            rel = self.step - int(state["trial_start"])
+            T = self.trials * len(self.cands)
+            self._trial = [rel // self.trials, rel % self.trials] if rel < T else None
+            self._since = 0 if rel < T else (rel - T) % self.interval
+            self._skipped = []
         for w, saved in zip(self._times, state["times"], strict=True):
             w.clear()
             w.extend(tuple(float(v) for v in t) for t in saved)
@@ -620,6 +678,11 @@ def explain(report: dict) -> str:
         f"{report['trials']} trial steps each); alpha = {report['alpha'] * 1e6:.2f} us, "
         f"beta = {report['beta'] * 1e9:.4f} ns/B ({report['rates']})"
     )
+    if report.get("not_tried"):
+        head += (
+            f"; not tried (communication > {report['prune']:g} x the fastest step): "
+            + ", ".join(report["not_tried"])
+        )
     lines = [
         head,
         f"  {'candidate':<14} {'comm ms':>9} {'local ms':>9} {'predicted':>10} "

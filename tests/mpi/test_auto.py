@@ -37,8 +37,8 @@ def _step(comm, ar, seed, dtype=np.float64):
 
 def test_same_decision_on_every_rank_with_measured_rates(comm):
     """Ping-pong rates and measured local work: every rank makes the same choices, results are
-    identical everywhere, and the trials visit every candidate in order."""
-    ar = spardl.make("auto", comm, N, density=0.05, interval=2, trials=1)
+    identical everywhere, and the trials visit every candidate in order (prune=0)."""
+    ar = spardl.make("auto", comm, N, density=0.05, interval=2, trials=1, prune=0)
     names = candidate_names(P)
     _same_everywhere(comm, (ar.alpha, ar.beta))
     seen = []
@@ -58,7 +58,7 @@ def test_conservation_across_switches(comm):
     candidate (sparse to sparse), then (trials=0: the model decides) to dense, the residual
     flushed, and back."""
     names = candidate_names(P)
-    trials = spardl.make("auto", comm, N, density=0.05, interval=1, trials=1, **RATES)
+    trials = spardl.make("auto", comm, N, density=0.05, interval=1, trials=1, prune=0, **RATES)
     model = spardl.make("auto", comm, N, density=0.05, interval=1, trials=0, **RATES)
     for ar, densities in ((trials, [0.05] * (len(names) + 2)), (model, [0.05, 1, 1, 0.05, 0.05])):
         chosen = []
@@ -80,7 +80,7 @@ def test_flush_on_switch_to_dense(comm):
     """The first dense step reduces g + E (the residual is flushed: nothing is lost), later
     ones the gradient alone."""
     ar = spardl.make(
-        "auto", comm, N, density=0.05, trials=1, candidates=["topka", "dense"], **RATES
+        "auto", comm, N, density=0.05, trials=1, candidates=["topka", "dense"], prune=0, **RATES
     )
     x, out = _step(comm, ar, 1)  # topka: a residual is left
     assert ar.stats["auto"]["choice"] == "dense" and np.any(np.asarray(ar.residual))
@@ -102,12 +102,11 @@ def test_stats_auto_content(comm, tmp_path_factory):
     assert rep["phase"] == "trials" and rep["choice"] == names[0]
     assert rep["candidates"] == {name: None for name in names}
     assert (rep["alpha"], rep["beta"], rep["rates"]) == (2e-6, 1e-9, f"fit {path}")
-    for s in range(len(names)):
+    for s in range(len(names) + 1):  # dense, tried last, after the step that flushes E
         _step(comm, ar, 70 + s)
     rep = ar.stats["auto"]
-    assert (
-        rep["phase"] == "chosen" and rep["decisions"] == 1 and rep["decided_at_step"] == len(names)
-    )
+    assert rep["phase"] == "chosen" and rep["decisions"] == 1
+    assert rep["decided_at_step"] == len(names) + 1
     assert rep["choice"] in names and list(rep["candidates"]) == names
     for name, p in rep["candidates"].items():
         assert set(p) == {"communication", "local", "predicted", "measured", "mpi"}, name
@@ -122,6 +121,37 @@ def test_stats_auto_content(comm, tmp_path_factory):
     g = spardl.make("auto", comm, N, candidates=["gtopk", "spardl"], trials=0, **RATES)
     assert g.conserves is False and list(g.stats["auto"]["candidates"])[0] == "gtopk"
     assert "gtopk" not in names
+
+
+def test_prune_skips_what_the_link_rules_out(comm):
+    """A candidate whose modelled communication alone exceeds ``prune`` times the fastest step
+    measured is not tried: here dense (0.08-0.14 s of modelled communication against sparse
+    steps of milliseconds), on every rank alike; the trials end sooner and never choose it.
+    P = 1: every candidate's communication is 0, so every one is tried."""
+    n = 100_000
+    rates = {"alpha": 0.0, "beta": 1e-7}  # dense 0.08-0.14 s; the sparse ones under 1 ms
+    ar = spardl.make("auto", comm, n, density=0.001, interval=50, trials=2, **rates)
+    names = candidate_names(P)
+    assert names[-1] == "dense"  # tried last, after the sparse steps that can rule it out
+    seen = []
+    for s in range(2 * len(names) + 2):
+        seen.append(ar.stats["auto"]["choice"])
+        g = grads_for(comm, n, np.float32, seed=120 + s)[comm.rank]
+        x = g.astype(np.float64) + np.asarray(ar.residual, np.float64)
+        out = ar(g)
+        assert conservation_error(comm, x, out.to_dense(), ar.residual, "mean") < 1e-4
+        _same_everywhere(comm, (ar.stats["auto"]["choice"], ar.stats["auto"]["not_tried"]))
+    rep = ar.stats["auto"]
+    assert rep["phase"] == "chosen" and rep["decisions"] == 1 and rep["prune"] == 2.0
+    if P == 1:
+        assert rep["not_tried"] == [] and "dense" in seen
+    else:
+        tried = [name for name in names if name not in rep["not_tried"]]
+        assert "dense" in rep["not_tried"] and "dense" not in seen
+        assert rep["decided_at_step"] == 2 * len(tried)
+        assert seen[: 2 * len(tried)] == [name for name in tried for _ in range(2)]
+        assert rep["choice"] != "dense" and rep["candidates"]["dense"]["measured"] is None
+        assert "not tried" in explain(rep)
 
 
 def test_model_choice_without_trials(comm):
@@ -192,6 +222,25 @@ def test_state_dict_round_trip(comm):
         assert a.tobytes() == b.tobytes()
 
 
+def test_state_dict_mid_trials(comm):
+    """A state saved inside the trials resumes them where they stood: the same candidate, the
+    same steps left in its block, then the next candidates in order."""
+    ar = spardl.make("auto", comm, N, density=0.05, interval=5, trials=2, prune=0, **RATES)
+    names = candidate_names(P)
+    for s in range(3):  # the first candidate's two steps and one of the second's
+        _step(comm, ar, 100 + s)
+    saved = ar.state_dict()
+    fresh = spardl.make("auto", comm, N, density=0.05, interval=5, trials=2, prune=0, **RATES)
+    fresh.load_state_dict(saved)
+    seen = []
+    for s in range(2 * len(names) - 2):  # dense's block: the flushing step, then its two
+        seen.append(fresh.stats["auto"]["choice"])
+        _step(comm, fresh, 110 + s)
+    assert names[-1] == "dense"
+    assert seen == [names[1]] + [name for name in names[2:-1] for _ in range(2)] + ["dense"] * 3
+    assert fresh.stats["auto"]["phase"] == "chosen" and fresh.stats["auto"]["decisions"] == 1
+
+
 BAD = [
     ({"interval": 0}, ValueError, "interval"),
     ({"interval": 2.0}, TypeError, "interval"),
@@ -200,6 +249,9 @@ BAD = [
     ({"alpha": -1.0, "beta": 0.0}, ValueError, "alpha"),
     ({"alpha": 0.0, "beta": float("inf")}, ValueError, "beta"),
     ({"hysteresis": 1.0}, ValueError, "hysteresis"),
+    ({"prune": 0.5}, ValueError, "prune"),
+    ({"prune": float("inf")}, ValueError, "prune"),
+    ({"prune": "2"}, TypeError, "prune"),
     ({"candidates": "dense"}, TypeError, "candidates"),
     ({"candidates": []}, ValueError, "candidates"),
     ({"candidates": ["nope"]}, ValueError, "candidates"),
