@@ -12,8 +12,9 @@ candidate's step. docs/design.md §12.
 The residual is this allreducer's own: a sparse candidate's ``_reduce`` gets X = g + E and returns
 the new E, exactly as it does inside its own allreducer, so a switch between sparse candidates
 moves nothing and loses nothing. A switch to ``dense`` flushes the residual: the first dense
-step reduces X = g + E (one generic step through :meth:`_reduce`), after which E is zero and
-MPI's own Allreduce runs on the gradient itself (:class:`~spardl.algorithms.dense.Dense`'s step).
+step reduces X = g + E (dense's own step on X, or for float16 and GPU gradients one generic
+step through :meth:`_reduce`), after which E is zero and MPI's own Allreduce runs on the gradient
+itself (:class:`~spardl.algorithms.dense.Dense`'s step).
 """
 
 from __future__ import annotations
@@ -380,8 +381,8 @@ class Auto(Allreducer):
             i = self._choice
             if not self._dense_now():
                 self._inner(i).step += 1  # Ok-Topk's periodic re-estimations count its steps
-            # The generic step that flushes E is not dense's step: it is not timed as one, and
-            # in the trials it is not one of dense's trial steps.
+            # The step that flushes E is not dense's step on g: it is not timed as one, and in
+            # the trials it is not one of dense's trial steps.
             if not flush:
                 local = wall - self._communication(self.cands[i])
                 self._times[i].append((local, wall, inside))
@@ -392,7 +393,30 @@ class Auto(Allreducer):
     def _step(self, grad):
         if self._dense_now() and not self._flush:
             return self._dense_step(grad)
+        if self._dense_now():
+            return self._flush_step(grad)
         return super()._step(grad)
+
+    def _flush_step(self, grad):
+        """The first dense step after a sparse one: dense's own step on X = g + E (host
+        gradients of the work dtype; otherwise the generic step of :meth:`_flush_reduce`),
+        after which E is zero. Its buffer of X becomes the zero residual."""
+        g = self._accept(grad)
+        device = A.is_device(g)
+        self._residual_for(g, device)
+        if device or g.dtype != self._residual.dtype:
+            return self._step_accepted(g)
+        x = self._accumulate(g, device)
+        ar = self._inner(self._choice)
+        ar._dtype = self._dtype
+        out, applied = ar._allreduce(x)
+        if applied:
+            old, self._residual = self._residual, x
+            x.fill(0)
+            self._spares.keep(old)
+            self._flush = False
+            self.step += 1
+        return out, applied
 
     def _dense_step(self, grad):
         """MPI's own Allreduce of the gradient (the residual is zero: flushed)."""

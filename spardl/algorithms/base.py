@@ -525,7 +525,10 @@ class Allreducer:
     def _step(self, grad) -> tuple[SparseResult, bool]:
         """One step of :meth:`__call__`; returns the result and whether the step was applied
         (False: dropped by ``nonfinite="skip"``)."""
-        g = self._accept(grad)
+        return self._step_accepted(self._accept(grad))
+
+    def _step_accepted(self, g) -> tuple[SparseResult, bool]:
+        """:meth:`_step` after the checks, for the accepted gradient ``g``."""
         device = A.is_device(g)
         self._residual_for(g, device)
         x = self._accumulate(g, device)

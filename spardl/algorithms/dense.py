@@ -70,7 +70,11 @@ class Dense(Allreducer):
         self._device = False
 
     def _step(self, grad) -> tuple[SparseResult, bool]:
-        g = self._accept(grad)
+        return self._allreduce(self._accept(grad))
+
+    def _allreduce(self, g) -> tuple[SparseResult, bool]:
+        """The step after the checks: the result for the accepted gradient ``g`` and whether
+        the step was applied (``auto`` also runs it on X = g + E when it flushes into dense)."""
         device = A.is_device(g)
         if self._dtype is None:
             self._dtype = np.dtype(g.dtype)

@@ -76,17 +76,25 @@ def test_conservation_across_switches(comm):
         assert chosen[0] != "dense"
 
 
-def test_flush_on_switch_to_dense(comm):
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_flush_on_switch_to_dense(comm, dtype):
     """The first dense step reduces g + E (the residual is flushed: nothing is lost), later
-    ones the gradient alone."""
+    ones the gradient alone. float32/64: dense's own step on X; float16: the generic step."""
     ar = spardl.make(
         "auto", comm, N, density=0.05, trials=1, candidates=["topka", "dense"], prune=0, **RATES
     )
-    x, out = _step(comm, ar, 1)  # topka: a residual is left
+    tol = {np.float64: 1e-12, np.float32: 1e-6, np.float16: 1e-3}[dtype]
+    x, out = _step(comm, ar, 1, dtype)  # topka: a residual is left
     assert ar.stats["auto"]["choice"] == "dense" and np.any(np.asarray(ar.residual))
-    x, out = _step(comm, ar, 2)  # the flush
-    assert conservation_error(comm, x, out.to_dense(), ar.residual, "mean") < 1e-12
-    assert not np.any(np.asarray(ar.residual))
+    x, out = _step(comm, ar, 2, dtype)  # the flush
+    assert conservation_error(comm, x, out.to_dense(), ar.residual, "mean") < tol
+    assert out.to_dense().dtype == dtype
+    if dtype != np.float16:  # float16: the output's rounding remainder stays in the residual
+        assert not np.any(np.asarray(ar.residual))
+    steps = ar.stats["steps"]
+    x, out = _step(comm, ar, 3, dtype)  # dense's own step on g
+    assert conservation_error(comm, x, out.to_dense(), ar.residual, "mean") < tol
+    assert ar.step == 3 and ar.stats["steps"] == steps + 1
 
 
 def test_stats_auto_content(comm, tmp_path_factory):
