@@ -31,7 +31,7 @@ import numpy as np
 from .. import _arrays as A
 from .. import cost_model
 from .._checks import check_float, check_int
-from ..comm import Comm, wire_index_dtype
+from ..comm import Comm, name_hash, wire_index_dtype
 from ..dtypes import work_dtype
 from .base import Allreducer, Reduced
 from .dense import Dense
@@ -617,6 +617,30 @@ class Auto(Allreducer):
         if isinstance(ar, Dense):
             ar._dtype = None if dtype is None else np.dtype(dtype)
 
+    def _snapshot(self):
+        # Also what a load may change beyond the current candidate: the states of candidates
+        # not built yet, and those of built ones (a failed load restores them all).
+        built = {i: self._inner_state(i) for i in self._inners}
+        return (*super()._snapshot(), dict(self._pending), built)
+
+    def _restore(self, saved) -> None:
+        super()._restore(saved[:6])
+        self._pending = dict(saved[6])
+        for i, st in saved[7].items():
+            if i in self._inners and i != self._choice and st is not None:
+                self._set_inner_state(self._inners[i], st)
+
+    def _state_signature(self) -> list[int]:
+        # The trials' and decisions' collectives follow these: ranks must agree on them.
+        trial = self._trial or [-1, -1]
+        return [
+            self._choice,
+            *trial,
+            self._since,
+            int(self._flush),
+            name_hash(repr(self._skipped)),
+        ]
+
     def _extra_state(self) -> dict:
         # The current candidate's state only: a step changes no other (O(P), as the base asks).
         i = self._choice
@@ -662,16 +686,34 @@ class Auto(Allreducer):
             self._trial = None if trial is None else [int(trial[0]), int(trial[1])]
             self._since = int(state["since"])
             self._skipped = [int(j) for j in state["not_tried"]]
-        else:  # saved before `prune`: the steps since the trials began
+        else:  # saved before `prune`, whose default order had dense first: see _legacy_times
             rel = self.step - int(state["trial_start"])
             T = self.trials * len(self.cands)
-            self._trial = [rel // self.trials, rel % self.trials] if rel < T else None
+            self._trial = [0, 0] if rel < T else None  # mid-trials: the trials start again
             self._since = 0 if rel < T else (rel - T) % self.interval
             self._skipped = []
-        for w, saved in zip(self._times, state["times"], strict=True):
+        times = state["times"] if "trial" in state else self._legacy_times(state["times"])
+        for w, saved in zip(self._times, times, strict=True):
             w.clear()
             w.extend(tuple(float(v) for v in t) for t in saved)
+        if self._trial == [0, 0] and "trial" not in state:  # as for a state without extra
+            for w in self._times:
+                w.clear()
+            self._choice = 0
+            self._flush = (
+                self._dense_now() and self._residual is not None and self.residual_mode != "none"
+            )
+            self.device_resident = _CLASSES[self.cands[0].algorithm].device_resident
         self._report()
+
+    def _legacy_times(self, times):
+        """The timing windows of a state saved before ``prune``, in this allreducer's order: with
+        the default candidates those states listed them in the old default order (dense first)."""
+        if self.opts["candidates"] is not None:
+            return times
+        old = ["dense", *[n for n in candidate_names(self.P) if n != "dense"]]
+        by_name = dict(zip(old, times, strict=True))
+        return [by_name[c.name] for c in self.cands]
 
     def __repr__(self) -> str:
         return (
@@ -703,10 +745,10 @@ def explain(report: dict) -> str:
         f"beta = {report['beta'] * 1e9:.4f} ns/B ({report['rates']})"
     )
     if report.get("not_tried"):
-        head += (
-            f"; not tried (communication > {report['prune']:g} x the fastest step): "
-            + ", ".join(report["not_tried"])
-        )
+        why = ""
+        if report["prune"]:
+            why = f" (communication > {report['prune']:g} x the fastest step)"
+        head += f"; not tried{why}: " + ", ".join(report["not_tried"])
     lines = [
         head,
         f"  {'candidate':<14} {'comm ms':>9} {'local ms':>9} {'predicted':>10} "

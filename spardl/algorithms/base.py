@@ -713,20 +713,30 @@ class Allreducer:
             err = e
             self._restore(saved)
         calls = self._calls if err is None else -1
+        more = self._state_signature()
+        if err is not None:
+            more = [-1] * len(more)
         try:
             self.collective_check(
                 err,
-                [name_hash(f"{self.name}|load_state_dict"), saved[1], calls, self.step],
+                [name_hash(f"{self.name}|load_state_dict"), saved[1], calls, self.step, *more],
                 {
                     "load_state_dict": self.name,
                     "call number before": saved[1],
                     "state's call number": calls,
                     "state's step": self.step if err is None else None,
+                    "state's other counters": more,
                 },
             )
         except BaseException:
             self._restore(saved)
             raise
+
+    def _state_signature(self) -> list[int]:
+        """Integers every rank's loaded state must agree on besides the step and call count
+        (:meth:`load_state_dict`): none here; a subclass whose collective schedule depends on
+        more of its state lists it."""
+        return []
 
     def _snapshot(self):
         """Everything :meth:`_load_local` changes (the residual by reference: it is replaced,

@@ -249,6 +249,80 @@ def test_state_dict_mid_trials(comm):
     assert fresh.stats["auto"]["phase"] == "chosen" and fresh.stats["auto"]["decisions"] == 1
 
 
+def test_failed_load_leaves_no_candidate_state_behind(comm):
+    """A load that fails on one rank (a NaN in its residual) fails on every rank and leaves
+    nothing of the state behind, also not the saved candidate's state where that candidate is
+    not built yet: afterwards the allreducer steps exactly as a fresh one."""
+    n = 2000
+    opts = dict(density=0.05, interval=100, trials=2, prune=0, alpha=0.0, beta=1e-9)
+
+    def grad(s):
+        return np.random.default_rng(1000 * s + comm.rank).standard_normal(n).astype(np.float32)
+
+    a = spardl.make("auto", comm, n, **opts)
+    names = candidate_names(P)
+    for s in range(2 * names.index("oktopk") + 1):  # saved while Ok-Topk is in its trials
+        a(grad(s))
+    state = a.state_dict()
+    state["residual"] = np.array(state["residual"], copy=True)
+    if comm.rank == 0:
+        state["residual"][0] = np.nan
+    b = spardl.make("auto", comm, n, **opts)
+    fresh = spardl.make("auto", comm, n, **opts)
+    with pytest.raises(ValueError):
+        b.load_state_dict(state)
+    assert b._pending == {}
+    for s in range(2 * len(names) + 2):
+        ours, theirs = b(grad(100 + s)), fresh(grad(100 + s))
+        assert b.stats["auto"]["choice"] == fresh.stats["auto"]["choice"]
+        np.testing.assert_array_equal(ours.to_dense(), theirs.to_dense())
+
+
+def test_ranks_disagreeing_on_the_trials_refuse_a_load(comm):
+    """States whose trial counters differ between ranks would desynchronise the trials'
+    collectives: the load raises on every rank and changes nothing."""
+    ar = spardl.make("auto", comm, N, density=0.05, interval=5, trials=2, prune=0, **RATES)
+    for s in range(3):
+        _step(comm, ar, 130 + s)
+    state = ar.state_dict()
+    if P > 1 and comm.rank == P - 1:
+        state["extra"] = dict(state["extra"], trial=[state["extra"]["trial"][0], 0])
+    before = _state(ar)
+    if P == 1:
+        ar.load_state_dict(state)
+        return
+    with pytest.raises(ValueError, match="disagree|other counters"):
+        ar.load_state_dict(state)
+    assert _state(ar) == before
+
+
+def test_state_saved_before_prune_loads_by_name(comm):
+    """A state saved before ``prune`` (``trial_start``; the default candidates then had dense
+    first): its timings land on the candidates they belong to, by name; saved inside the trials,
+    the trials start again."""
+    ar = spardl.make("auto", comm, N, density=0.05, interval=50, trials=1, prune=0, **RATES)
+    names = candidate_names(P)
+    for s in range(len(names) + 2):
+        _step(comm, ar, 140 + s)
+    state = ar.state_dict()
+    extra = dict(state["extra"])
+    old = ["dense", *names[:-1]]  # the old default order
+    times = dict(zip(names, extra["times"], strict=True))
+    for key in ("trial", "since", "not_tried"):
+        del extra[key]
+    extra["times"] = [times[name] for name in old]
+    after = {**state, "extra": {**extra, "trial_start": 0}}
+    b = spardl.make("auto", comm, N, density=0.05, interval=50, trials=1, prune=0, **RATES)
+    b.load_state_dict(after)
+    assert [list(w) for w in b._times] == [list(w) for w in ar._times]
+    # the old count: the steps since trials x candidates steps after trial_start
+    assert b.stats["auto"]["phase"] == "chosen" and b._since == state["step"] - len(names)
+    inside = {**state, "extra": {**extra, "trial_start": state["step"] - 1}}
+    c = spardl.make("auto", comm, N, density=0.05, interval=50, trials=1, prune=0, **RATES)
+    c.load_state_dict(inside)
+    assert c.stats["auto"]["phase"] == "trials" and c.stats["auto"]["choice"] == names[0]
+
+
 BAD = [
     ({"interval": 0}, ValueError, "interval"),
     ({"interval": 2.0}, TypeError, "interval"),
