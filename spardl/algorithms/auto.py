@@ -654,18 +654,22 @@ class Auto(Allreducer):
             "times": [[list(t) for t in w] for w in self._times],
         }
 
+    def _restart_trials(self) -> None:
+        """The trials afresh from the first candidate, nothing measured (after a load)."""
+        self._trial = [0, 0] if self.trials else None
+        self._since, self._skipped = 0, []
+        for w in self._times:
+            w.clear()
+        self._choice = 0
+        self._flush = (
+            self._dense_now() and self._residual is not None and self.residual_mode != "none"
+        )
+        self.device_resident = _CLASSES[self.cands[0].algorithm].device_resident
+        self._report()
+
     def _load_extra_state(self, state) -> None:
         if not state:  # a state without it (folded for another world size): trials afresh
-            self._trial = [0, 0] if self.trials else None
-            self._since, self._skipped = 0, []
-            for w in self._times:
-                w.clear()
-            self._choice = 0
-            self._flush = (
-                self._dense_now() and self._residual is not None and self.residual_mode != "none"
-            )
-            self.device_resident = _CLASSES[self.cands[0].algorithm].device_resident
-            self._report()
+            self._restart_trials()
             return
         names = [c.name for c in self.cands]
         if state["choice"] not in names:
@@ -689,21 +693,14 @@ class Auto(Allreducer):
         else:  # saved before `prune`, whose default order had dense first: see _legacy_times
             rel = self.step - int(state["trial_start"])
             T = self.trials * len(self.cands)
-            self._trial = [0, 0] if rel < T else None  # mid-trials: the trials start again
-            self._since = 0 if rel < T else (rel - T) % self.interval
-            self._skipped = []
+            if rel < T:  # inside the trials: they start again
+                self._restart_trials()
+                return
+            self._trial, self._since, self._skipped = None, (rel - T) % self.interval, []
         times = state["times"] if "trial" in state else self._legacy_times(state["times"])
         for w, saved in zip(self._times, times, strict=True):
             w.clear()
             w.extend(tuple(float(v) for v in t) for t in saved)
-        if self._trial == [0, 0] and "trial" not in state:  # as for a state without extra
-            for w in self._times:
-                w.clear()
-            self._choice = 0
-            self._flush = (
-                self._dense_now() and self._residual is not None and self.residual_mode != "none"
-            )
-            self.device_resident = _CLASSES[self.cands[0].algorithm].device_resident
         self._report()
 
     def _legacy_times(self, times):
