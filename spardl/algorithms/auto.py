@@ -409,7 +409,7 @@ class Auto(Allreducer):
         x = self._accumulate(g, device)
         ar = self._inner(self._choice)
         ar._dtype = self._dtype
-        out, applied = ar._allreduce(x)
+        out, applied = ar._step_accepted(x)
         if applied:
             old, self._residual = self._residual, x
             x.fill(0)
@@ -482,8 +482,10 @@ class Auto(Allreducer):
         """The next candidate from index j on to try, or None: the trials are over. Candidates
         whose modelled communication exceeds ``prune`` times the fastest step measured so far
         (agreed: each rank's least wall time, the maximum over ranks) are skipped."""
-        if j >= len(self.cands) or not self.prune:
-            return j if j < len(self.cands) else None
+        if j >= len(self.cands):
+            return None
+        if not self.prune:
+            return j
         walls = [min(t[1] for t in w) for w in self._times if w]
         fastest = max(self.comm.allgather_object(min(walls), control=True))
         while j < len(self.cands):

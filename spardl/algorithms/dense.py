@@ -69,10 +69,7 @@ class Dense(Allreducer):
         self._work = None  # float16 gradients: the float32 buffer they are reduced in
         self._device = False
 
-    def _step(self, grad) -> tuple[SparseResult, bool]:
-        return self._allreduce(self._accept(grad))
-
-    def _allreduce(self, g) -> tuple[SparseResult, bool]:
+    def _step_accepted(self, g) -> tuple[SparseResult, bool]:
         """The step after the checks: the result for the accepted gradient ``g`` and whether
         the step was applied (``auto`` also runs it on X = g + E when it flushes into dense)."""
         device = A.is_device(g)
