@@ -30,7 +30,8 @@ def check_int(name: str, value, *, numpy: bool = True):
 
 def check_float(name: str, value, *, numpy: bool = True, or_none: bool = False):
     """``value`` itself when it is a real number: a Python ``int`` or ``float``, or a NumPy float
-    when ``numpy``; never a bool. With ``or_none``, None passes too (and the message says so).
+    or integer when ``numpy``; never a bool. With ``or_none``, None passes too (and the message
+    says so).
 
     Raises
     ------
@@ -39,7 +40,7 @@ def check_float(name: str, value, *, numpy: bool = True, or_none: bool = False):
     """
     if or_none and value is None:
         return None
-    types = (int, float, np.floating) if numpy else (int, float)
+    types = (int, float, np.floating, np.integer) if numpy else (int, float)
     if isinstance(value, bool) or not isinstance(value, types):
         what = "a float or None" if or_none else "a float"
         raise TypeError(f"{name} must be {what}, got {type(value).__name__}")

@@ -208,7 +208,7 @@ class _Techniques:
             raise ValueError("warmup_density applies with density_warmup > 0 only")
         if (
             w > 0
-            and isinstance(density, (int, float, np.floating))
+            and isinstance(density, (int, float, np.floating, np.integer))
             and not isinstance(density, bool)
             and 0 < density <= 1
             and r0 < density

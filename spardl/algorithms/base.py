@@ -87,8 +87,16 @@ def _dtype_code(dtype) -> int:
     return {"float16": 1, "float32": 2, "float64": 3}.get(str(dtype), 0)
 
 
-def _float_bits(x: float) -> int:
-    return int(np.array([x], dtype=np.float64).view(np.int64)[0])
+def _float_bits(x) -> int:
+    """A real number as a signature field: the bits of ``float(x)`` (Python and NumPy numbers
+    alike, so that ranks that pass different NumPy floats disagree), or -1 for anything else
+    (then the rank's own check has failed and says why)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        return -1
+    try:
+        return int(np.array([float(x)], dtype=np.float64).view(np.int64)[0])
+    except OverflowError:
+        return -1
 
 
 class Allreducer:
@@ -208,7 +216,7 @@ class Allreducer:
         sig = [
             name_hash(self.name),
             _safe_int(n),
-            _float_bits(density) if isinstance(density, (int, float)) else -1,
+            _float_bits(density),
             name_hash(f"{op}|{residual}|{nonfinite}|{check}|{wire!r}"),
             name_hash(described["options"]),
         ]

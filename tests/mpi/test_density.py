@@ -101,3 +101,29 @@ def test_density_disagreement_and_bad_values_fail_everywhere(comm):
         ar.set_density("0.1" if comm.rank == 0 else 0.1)
     assert ar.density == 0.1
     comm.Barrier()
+
+
+@pytest.mark.parametrize("algorithm", ["spardl", "oktopk", "dense"])
+def test_numpy_scalar_densities_are_compared_by_value(comm, algorithm):
+    """NumPy floats and integers are densities like Python numbers, and ranks whose NumPy
+    densities differ fail on every rank, at construction and in set_density (they once gave the
+    same check field, -1, on every rank: different k on each rank, then a truncated message and
+    a hang)."""
+    n = 1000
+    ar = spardl.make(algorithm, comm, n, density=np.int64(1))
+    assert ar.density == 1.0 and ar.k == n
+    ar.set_density(np.float32(0.25))
+    assert ar.density == float(np.float32(0.25))
+    ar.set_density(np.float64(0.1))
+    assert ar.k == budget(0.1, n)
+    out = ar(grads_for(comm, n, np.float64, seed=5)[comm.rank])
+    assert_identical_everywhere(comm, out)
+    if comm.size == 1:
+        return
+    mine = np.float32(0.01) if comm.rank == 0 else np.float32(0.5)
+    with pytest.raises(ValueError, match="ranks disagree on density"):
+        spardl.make(algorithm, comm, n, density=mine)
+    with pytest.raises(ValueError, match="ranks disagree on set_density"):
+        ar.set_density(mine)
+    assert ar.density == 0.1
+    comm.Barrier()
