@@ -10,7 +10,30 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["check_int", "check_float"]
+__all__ = ["check_int", "check_float", "check_bool", "type_name"]
+
+
+def type_name(value) -> str:
+    """The name of ``value``'s type for a message: ``float`` for a builtin, ``numpy.float32``,
+    ``numpy.bool`` or ``torch.Tensor`` for the others (a NumPy bool is not a bool here, and
+    "must be a bool, got bool" would not say why)."""
+    t = type(value)
+    if t.__module__ == "builtins":
+        return t.__qualname__
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def check_bool(name: str, value):
+    """``value`` itself when it is a Python ``bool`` (a NumPy bool or an int is not).
+
+    Raises
+    ------
+    TypeError
+        ``"{name} must be a bool, got {type}"``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type_name(value)}")
+    return value
 
 
 def check_int(name: str, value, *, numpy: bool = True):
@@ -24,7 +47,7 @@ def check_int(name: str, value, *, numpy: bool = True):
     """
     types = (int, np.integer) if numpy else int
     if isinstance(value, bool) or not isinstance(value, types):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an integer, got {type_name(value)}")
     return value
 
 
@@ -43,5 +66,5 @@ def check_float(name: str, value, *, numpy: bool = True, or_none: bool = False):
     types = (int, float, np.floating, np.integer) if numpy else (int, float)
     if isinstance(value, bool) or not isinstance(value, types):
         what = "a float or None" if or_none else "a float"
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+        raise TypeError(f"{name} must be {what}, got {type_name(value)}")
     return value

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import math
 import os
 import time
@@ -910,15 +911,18 @@ class Comm:
         ok : bool
             This rank's local validation result.
         signature : sequence of int
-            Values that must be equal on every rank (hashed names, sizes, counters).
+            Values that must be equal on every rank (hashed names, sizes, counters), as many on
+            every rank; any value at all is taken (:func:`signature_field`), so no rank fails
+            here while the others wait.
 
         Returns
         -------
         (all_ok, same)
             Whether every rank passed, and whether every rank gave the same signature.
         """
-        sig = np.asarray(signature, dtype=np.int64)
-        # max(v) == -max(-v) iff every rank holds the same v: one MAX allreduce answers both.
+        sig = np.array([signature_field(v) for v in signature], dtype=np.int64)
+        # max(v) == -max(-v) iff every rank holds the same v: one MAX allreduce answers both
+        # (-2**63, whose negation wraps, never occurs: signature_field's range).
         v = np.concatenate(([0 if ok else 1], sig, -sig)).astype(np.int64)
         out = np.empty_like(v)
         self._clocked.Allreduce(v, out, op=MPI.MAX)
@@ -1061,6 +1065,31 @@ class Comm:
         object
         """
         return self._object_call("recv", control, source=source, tag=tag)
+
+
+_DIGEST_BASE = -(2**62)
+
+
+def signature_digest(data) -> int:
+    """A 62-bit digest of ``data`` (bytes, or a string) as a signature field: an integer in
+    [-(2**63) + 2, -(2**62)], a range that plain fields (sizes, counters, hashed names, -1 for
+    "failed") never reach, so a digest cannot pass for one of them."""
+    if isinstance(data, str):
+        data = data.encode()
+    h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return _DIGEST_BASE - h % (2**62 - 1)
+
+
+def signature_field(v) -> int:
+    """A value as one int64 field of :meth:`Comm.agree`'s signature: an integer (Python or
+    NumPy, not a bool) in (-(2**62), 2**63) as itself; anything else (an integer past int64,
+    a bool, a float, a string) as :func:`signature_digest` of its type and ``repr``. Equal values
+    give equal fields; different values give different fields (but for digest collisions, one
+    in 2**62)."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+        if _DIGEST_BASE < int(v) < 2**63:
+            return int(v)
+    return signature_digest(f"{type(v).__qualname__}:{v!r}")
 
 
 def name_hash(name: str) -> int:

@@ -25,9 +25,9 @@ import torch
 
 from . import _arrays as A
 from . import make
-from ._checks import check_float, check_int
+from ._checks import check_bool, check_float, check_int
 from .algorithms.base import collective_check
-from .comm import Comm, name_hash
+from .comm import Comm, name_hash, signature_digest
 
 __all__ = [
     "SparseGradientReducer",
@@ -189,8 +189,7 @@ class _Techniques:
                     "the residual holds the accumulated velocity's unsent part"
                 )
             m = float(m)
-        if not isinstance(factor_masking, bool):
-            raise TypeError(f"factor_masking must be a bool, got {type(factor_masking).__name__}")
+        check_bool("factor_masking", factor_masking)
         if not factor_masking and m is None:
             raise ValueError("factor_masking=False applies with momentum_correction only")
         c = check_float("clip_norm", clip_norm, or_none=True)
@@ -327,7 +326,7 @@ def _validate_options(
         "options": repr(sorted(options)),  # their values: make's own checks and agreement
         **{k: _plain(v) for k, v in (agreed or {}).items()},
     }
-    collective_check(ctl, err, [name_hash(repr(sorted(described.items())))], described)
+    collective_check(ctl, err, [signature_digest(repr(sorted(described.items())))], described)
     if not hook:
         return
     # The values: make's own checks and messages (unknown algorithm included), on every rank.
@@ -576,8 +575,14 @@ class _Core:
                     err = e
                 self.pending = None
                 try:
+                    # Every rank's loaded allreducer state agrees (counters, ρ, the algorithm's
+                    # schedule state), as a direct load_state_dict checks.
+                    fields, described = self.sparse._loaded_signature(err is not None)
                     collective_check(
-                        self.ctl, err, [name_hash("apply loaded state")], {"loaded state": "ok"}
+                        self.ctl,
+                        err,
+                        [name_hash("apply loaded state"), *fields],
+                        {"loaded state": self.algorithm, **described},
                     )
                 except BaseException:
                     self.sparse._restore(fresh)
@@ -887,14 +892,21 @@ class _Core:
         except (TypeError, ValueError) as e:
             err = e
         try:
+            # The allreducer's loaded state must agree across ranks too (counters, ρ, the
+            # algorithm's schedule state); loaded later (pending), it is checked when applied.
+            fields, described = [], {}
+            if self.sparse is not None:
+                fields, described = self.sparse._loaded_signature(err is not None)
+                described = {f"allreducer {k}": v for k, v in described.items()}
             collective_check(
                 self.ctl,
                 err,
-                [name_hash("load_state_dict"), saved[0], self.step if err is None else -1],
+                [name_hash("load_state_dict"), saved[0], self.step if err is None else -1, *fields],
                 {
                     "load_state_dict": self.algorithm,
                     "step before": saved[0],
                     "state's step": self.step if err is None else None,
+                    **described,
                 },
             )
         except BaseException:
@@ -1447,8 +1459,7 @@ class SparseHookState(_Front):
             warmup_steps = _check_warmup(warmup_steps)
             if model is not None and not isinstance(model, torch.nn.Module):
                 raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-            if not isinstance(overlap, bool):
-                raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
+            check_bool("overlap", overlap)
             if overlap:
                 _check_overlap(momentum_correction, clip_norm)
             tech = _Techniques(

@@ -22,8 +22,8 @@ import numpy as np
 import spardl_kernels as K
 
 from .. import _arrays as A
-from .._checks import check_float, check_int
-from ..comm import WIRES, Comm, name_hash
+from .._checks import check_bool, check_float, check_int
+from ..comm import WIRES, Comm, name_hash, signature_digest, signature_field
 from ..dtypes import work_dtype as _work_dtype
 from ..result import SparseResult
 
@@ -367,8 +367,7 @@ class Allreducer:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {residual!r}")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
-        if not isinstance(check, bool):
-            raise TypeError(f"check must be a bool, got {type(check).__name__}")
+        check_bool("check", check)
 
     def collective_check(self, err, signature, described) -> None:
         """Raise on every rank if any rank failed locally or the ranks disagree
@@ -711,7 +710,8 @@ class Allreducer:
             On every rank, if some rank's state misses a key, comes from another algorithm, n,
             world size or rank, has a negative ``step`` or ``calls``, holds a NaN or Inf in its
             residual (unless ``nonfinite="propagate"``), or the ranks' states disagree on the
-            step or call count.
+            step, the call count, the density or what the algorithm's messages depend on
+            (:meth:`_state_signature`: Ok-Topk's regions and global threshold, SparDL's h).
         """
         saved = self._snapshot()
         err = None
@@ -720,30 +720,38 @@ class Allreducer:
         except (TypeError, ValueError) as e:
             err = e
             self._restore(saved)
-        calls = self._calls if err is None else -1
-        more = self._state_signature()
-        if err is not None:
-            more = [-1] * len(more)
         try:
+            fields, described = self._loaded_signature(err is not None)
             self.collective_check(
                 err,
-                [name_hash(f"{self.name}|load_state_dict"), saved[1], calls, self.step, *more],
-                {
-                    "load_state_dict": self.name,
-                    "call number before": saved[1],
-                    "state's call number": calls,
-                    "state's step": self.step if err is None else None,
-                    "state's other counters": more,
-                },
+                [name_hash(f"{self.name}|load_state_dict"), saved[1], *fields],
+                {"load_state_dict": self.name, "call number before": saved[1], **described},
             )
         except BaseException:
             self._restore(saved)
             raise
 
+    def _loaded_signature(self, failed: bool) -> tuple[list, dict]:
+        """What every rank's just loaded state must agree on, as signature fields and in words
+        (:func:`collective_check`): the call count, the step, ρ (k and every message size
+        follow from it) and :meth:`_state_signature`. ``failed``: this rank's load failed
+        (its fields then do not matter: the failure is raised). Collective: every rank calls
+        it, failed or not (:meth:`_state_signature` may exchange messages)."""
+        more = self._state_signature()
+        if failed:
+            return [-1] * (3 + len(more)), {"state's call number": None}
+        return [self._calls, self.step, _float_bits(self.density), *more], {
+            "state's call number": self._calls,
+            "state's step": self.step,
+            "state's density": self.density,
+            "state's other counters": more,
+        }
+
     def _state_signature(self) -> list[int]:
-        """Integers every rank's loaded state must agree on besides the step and call count
-        (:meth:`load_state_dict`): none here; a subclass whose collective schedule depends on
-        more of its state lists it."""
+        """Integers every rank's loaded state must agree on besides the step, call count and
+        density (:meth:`load_state_dict`): none here; a subclass whose collective schedule
+        depends on more of its state lists it. Called on every rank (it may exchange
+        messages: a value that only some ranks must share is compared that way)."""
         return []
 
     def _snapshot(self):
@@ -814,11 +822,11 @@ class Allreducer:
 
     @staticmethod
     def _check_loaded_counters(state) -> None:
-        """A state's step and call count: integers (not bools), ≥ 0."""
+        """A state's step and call count: integers (not bools) in [0, 2**63)."""
         for key in ("step", "calls"):
             check_int(f"state {key}", state[key])
-            if state[key] < 0:
-                raise ValueError(f"state {key} must be >= 0, got {state[key]}")
+            if not 0 <= state[key] < 2**63:
+                raise ValueError(f"state {key} must be in [0, 2**63), got {state[key]}")
 
     def _check_loaded_residual(self, dtype, res) -> None:
         """A state's gradient dtype and residual: a float dtype, and a residual of its work dtype
@@ -867,18 +875,18 @@ def collective_check(comm: Comm, err, signature, described) -> None:
     err : Exception or None
         This rank's local validation error, re-raised on this rank.
     signature : sequence of int
-        Up to ``SIGNATURE_LEN`` integers that must be equal on every rank.
+        Integers that must be equal on every rank, any number of them (past ``SIGNATURE_LEN``
+        the rest are compared by one digest), any size (:func:`spardl.comm.signature_field`).
     described : dict
-        The same fields in words, to name what differs.
+        The same fields in words, to name what differs (compared by ``repr``: ``0.1`` and
+        ``np.float32(0.1)`` differ).
 
     Raises
     ------
     ValueError, TypeError
         On every rank, unless every rank passed and all signatures match.
     """
-    sig = list(signature)[:SIGNATURE_LEN]
-    sig += [0] * (SIGNATURE_LEN - len(sig))
-    ok, same = comm.agree(err is None, sig)
+    ok, same = comm.agree(err is None, _fixed_signature(signature))
     if ok and same:
         return
     reports = comm.allgather_object(
@@ -896,9 +904,20 @@ def collective_check(comm: Comm, err, signature, described) -> None:
     diffs = [
         f"{key}: " + ", ".join(f"rank {r}={d.get(key)!r}" for r, d in enumerate(descs))
         for key in descs[0]
-        if any(d.get(key) != descs[0].get(key) for d in descs)
+        if any(repr(d.get(key)) != repr(descs[0].get(key)) for d in descs)
     ]
     raise ValueError("ranks disagree on " + "; ".join(diffs or ["the call sequence"]))
+
+
+def _fixed_signature(signature) -> list[int]:
+    """``signature`` as exactly ``SIGNATURE_LEN`` int64 fields, the same length on every rank
+    (the agreement is one fixed-size allreduce): padded with zeros, or its fields from the last
+    slot on replaced by one digest of them."""
+    sig = [signature_field(v) for v in signature]
+    if len(sig) > SIGNATURE_LEN:
+        rest = np.array(sig[SIGNATURE_LEN - 1 :], dtype=np.int64)
+        sig = [*sig[: SIGNATURE_LEN - 1], signature_digest(rest.tobytes())]
+    return sig + [0] * (SIGNATURE_LEN - len(sig))
 
 
 def _without_zeros(indices, values):

@@ -26,9 +26,16 @@ import spardl_kernels as K
 
 from .. import _arrays as A
 from .._checks import check_int
-from ..comm import pack_blocks, pack_wire, unpack_blocks, unpack_wire, wire_index_dtype
+from ..comm import (
+    pack_blocks,
+    pack_wire,
+    signature_digest,
+    unpack_blocks,
+    unpack_wire,
+    wire_index_dtype,
+)
 from ..selection import make_selector
-from .base import Above, Allreducer, Reduced
+from .base import Above, Allreducer, Reduced, _float_bits
 from .common import keep_remainder
 
 __all__ = ["OkTopk"]
@@ -408,6 +415,12 @@ class OkTopk(Allreducer):
             "global_threshold": self.global_threshold,
             "selector": self.selector.state_dict(),
         }
+
+    def _state_signature(self) -> list[int]:
+        # Every rank reduces over the same regions and selects with the same global threshold
+        # (its messages are sized by both): a loaded state must hold the same on every rank.
+        b = -1 if self.bounds is None else signature_digest(self.bounds.astype(np.int64).tobytes())
+        return [b, _float_bits(self.global_threshold)]
 
     def _load_extra_state(self, state: dict) -> None:
         b = state.get("bounds")

@@ -336,6 +336,16 @@ class SparDL(Allreducer):
     def _extra_state(self) -> dict:
         return {"h": self.h, "selector": self.selector.state_dict()}
 
+    def _state_signature(self) -> list[int]:
+        # With d > 1 the d owners of a block exchange top-h selections sized by their own h
+        # (:meth:`_spar_all_gather_across_teams`), so they must hold the same h; owners of
+        # different blocks need not. The field is h minus the team-0 owner's: 0 on every rank
+        # exactly when every block's owners agree.
+        if self._cross is None:
+            return []
+        hs = self._cross.allgather_object(int(self.h))
+        return [int(self.h) - hs[0]]
+
     def _load_extra_state(self, state: dict) -> None:
         if not state:
             return

@@ -1,0 +1,219 @@
+"""Cross-rank agreement of what a rank cannot check alone: loaded states whose ranks disagree on
+something the collective schedule depends on (ρ, Ok-Topk's regions and global threshold,
+SparDL's h across teams, auto's trial counters), and fields no int64 holds. Each raises on every
+rank, leaves every rank's state as it was, and the allreducer keeps working; none may hang or
+end in a truncated message.
+
+Runs on every rank under `mpiexec -n P` (tests/test_mpi.py); at P = 1 there is no other rank to
+differ, and the same loads must succeed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from mpiutil import assert_identical_everywhere, grads_for
+from scripts.fake_bucket import FakeBucket
+
+import spardl
+import spardl.torch as st
+
+ALGS = sorted(spardl.ALGORITHMS)
+
+
+def _stepped(comm, algorithm, n, density, steps=3, **options):
+    ar = spardl.make(algorithm, comm, n, density=density, **options)
+    for s in range(steps):
+        ar(grads_for(comm, n, np.float64, seed=60 + s)[comm.rank])
+    return ar
+
+
+def _still_in_step(comm, ar, before):
+    """The failed load changed nothing on this rank, and every rank still agrees."""
+    after = ar.state_dict()
+    assert (after["step"], after["calls"], after["density"]) == (
+        before["step"],
+        before["calls"],
+        before["density"],
+    )
+    np.testing.assert_array_equal(after["residual"], before["residual"])
+    assert_identical_everywhere(comm, ar(grads_for(comm, ar.n, np.float64, seed=99)[comm.rank]))
+
+
+def _load_expecting(comm, ar, state, match):
+    """Load ``state``: at P = 1 it must load; else every rank raises ``match`` and keeps its
+    state."""
+    if comm.size == 1:
+        ar.load_state_dict(state)
+        assert_identical_everywhere(comm, ar(grads_for(comm, ar.n, np.float64, seed=98)[0]))
+        return
+    before = ar.state_dict()
+    with pytest.raises(ValueError, match=match):
+        ar.load_state_dict(state)
+    _still_in_step(comm, ar, before)
+
+
+@pytest.mark.parametrize("algorithm", ALGS)
+def test_loaded_states_of_different_densities_fail_everywhere(comm, algorithm):
+    """The last rank loads a state saved at another ρ (a valid state on its own): k and every
+    message size differ, so every rank must refuse it (it once hung on a truncated message, or
+    for Gaussian-k and dense gave ranks different results without a word)."""
+    n = 400
+    low = _stepped(comm, algorithm, n, 0.05)
+    high = _stepped(comm, algorithm, n, 0.25)
+    state = (high if comm.rank == comm.size - 1 else low).state_dict()
+    if comm.size == 1:
+        state = low.state_dict()
+    b = _stepped(comm, algorithm, n, 0.05)
+    _load_expecting(comm, b, state, "ranks disagree on .*state's density")
+
+
+@pytest.mark.parametrize("change", ["threshold", "bounds"])
+def test_oktopk_states_with_different_regions_or_thresholds_fail_everywhere(comm, change):
+    """Ok-Topk reduces over regions and selects with a global threshold every rank must hold
+    alike: a loaded state where the last rank's differ is refused on every rank."""
+    n = 400
+    a = _stepped(comm, "oktopk", n, 0.05, steps=4)
+    state = copy.deepcopy(a.state_dict())
+    extra = state["extra"]
+    assert extra["bounds"] is not None and np.isfinite(extra["global_threshold"])
+    if comm.rank == comm.size - 1:
+        if change == "threshold":
+            extra["global_threshold"] *= 2
+        elif comm.size > 1:
+            b = np.array(extra["bounds"])
+            b[1] = b[1] + 1 if b[1] < b[2] else b[1] - 1  # still non-decreasing, from 0 to n
+            extra["bounds"] = b
+    _load_expecting(comm, a, state, "ranks disagree on .*state's other counters")
+
+
+def test_spardl_team_owners_with_different_h_fail_everywhere(comm):
+    """With d > 1 teams the owners of a block exchange top-h selections sized by their own h:
+    a loaded state where they differ is refused on every rank (d = 2, or d = P at odd P)."""
+    P = comm.size
+    n = 480
+    a = _stepped(comm, "spardl", n, 0.1, teams=2 if P % 2 == 0 else P)
+    state = copy.deepcopy(a.state_dict())
+    if comm.rank == P - 1 and P > 1:
+        assert a.h_min < a.k_b[a.p]  # h has room to differ
+        state["extra"]["h"] += 1 if state["extra"]["h"] < a.k_b[a.p] else -1
+    _load_expecting(comm, a, state, "ranks disagree on .*state's other counters")
+
+
+@pytest.mark.parametrize("field", ["since", "flush", "not_tried"])
+def test_auto_states_with_different_trial_counters_fail_everywhere(comm, field):
+    """Auto's trial and decision schedule follows its counters (more of them than one check
+    message once held, so the last ones went uncompared and the ranks hung)."""
+    n = 200
+    a = _stepped(comm, "auto", n, 0.05, steps=2, trials=1, interval=5)
+    state = copy.deepcopy(a.state_dict())
+    extra = state["extra"]
+    if comm.rank == comm.size - 1:
+        if field == "since":
+            extra["since"] += 1
+        elif field == "flush":
+            extra["flush"] = not extra["flush"]
+        else:
+            extra["not_tried"] = [*extra["not_tried"], 0]
+    _load_expecting(comm, a, state, "ranks disagree on .*state's other counters")
+
+
+@pytest.mark.parametrize("key", ["step", "calls"])
+def test_loaded_counters_past_int64_fail_everywhere(comm, key):
+    """A counter no int64 holds, on the last rank: a clear error on every rank (it once
+    overflowed inside the check on that rank alone, and the others waited)."""
+    a = _stepped(comm, "spardl", 100, 0.1, steps=1)
+    before = a.state_dict()
+    state = dict(before)
+    if comm.rank == comm.size - 1:
+        state[key] = 2**70
+    with pytest.raises(ValueError, match=rf"state {key} must be in \[0, 2\*\*63\)"):
+        a.load_state_dict(state)
+    _still_in_step(comm, a, before)
+
+
+def test_construction_arguments_past_int64_fail_everywhere(comm):
+    """n past int64 on the last rank: an error on every rank, never an overflow on one."""
+    n = 2**64 if comm.rank == comm.size - 1 else 100
+    with pytest.raises((ValueError, TypeError)):
+        spardl.make("spardl", comm, n, density=0.1)
+    assert_identical_everywhere(comm, spardl.make("spardl", comm, 100)(np.ones(100)))
+
+
+def test_numpy_and_python_densities_are_named_when_they_differ(comm):
+    """np.float32(0.1) is not 0.1: the message names the density (once "the call sequence",
+    their descriptions having compared equal), and a NumPy bool is named as one."""
+    if comm.size > 1:
+        rho = np.float32(0.1) if comm.rank == comm.size - 1 else 0.1
+        with pytest.raises(ValueError, match="ranks disagree on density"):
+            spardl.make("topka", comm, 100, density=rho)
+    with pytest.raises(TypeError, match="check must be a bool, got numpy.bool"):
+        spardl.make("topka", comm, 100, check=np.bool_(True))
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 2))
+
+
+def _backward(model, comm, seed):
+    model.zero_grad()
+    torch.manual_seed(10 * seed + comm.rank)
+    model(torch.randn(4, 16)).sum().backward()
+
+
+def test_reducer_states_of_different_densities_fail_everywhere(comm):
+    """The PyTorch reducer's load compares its allreducer's state too (ρ here)."""
+    model = _model()
+
+    def stepped(density):
+        red = st.SparseGradientReducer(model.parameters(), comm, density=density)
+        for s in range(2):
+            _backward(model, comm, s)
+            red.reduce()
+        return red
+
+    low, high = stepped(0.05), stepped(0.25)
+    state = (high if comm.rank == comm.size - 1 and comm.size > 1 else low).state_dict()
+    b = stepped(0.05)
+    if comm.size == 1:
+        b.load_state_dict(state)
+        return
+    with pytest.raises(ValueError, match="ranks disagree on allreducer state's density"):
+        b.load_state_dict(state)
+    assert b.state_dict()["step"] == 2
+    _backward(model, comm, 5)
+    out = b.reduce()
+    assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
+
+
+def test_hook_states_of_different_densities_fail_at_the_first_sparse_step(comm):
+    """The DDP hook builds its allreducer at its first sparse iteration and applies a state
+    loaded before then there: that is where ranks whose states disagree (ρ here) must raise,
+    on every rank."""
+    model = _model()
+    params = list(model.parameters())
+
+    def step(hook, seed):
+        _backward(model, comm, seed)
+        buf = torch.cat([p.grad.flatten() for p in params])
+        return hook._bucket(FakeBucket(0, buf, params, True)).wait()
+
+    def stepped(density):
+        hook = st.SparseHookState(comm, "spardl", warmup_steps=0, density=density, model=model)
+        for s in range(2):
+            step(hook, s)
+        return hook
+
+    low, high = stepped(0.05), stepped(0.25)
+    state = (high if comm.rank == comm.size - 1 and comm.size > 1 else low).state_dict()
+    fresh = st.SparseHookState(comm, "spardl", warmup_steps=0, density=0.05, model=model)
+    fresh.load_state_dict(state)
+    if comm.size == 1:
+        step(fresh, 3)
+        return
+    with pytest.raises(ValueError, match="ranks disagree on .*state's density"):
+        step(fresh, 3)
