@@ -42,7 +42,6 @@ import hashlib
 import math
 import os
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -1092,9 +1091,12 @@ def signature_field(v) -> int:
     return signature_digest(f"{type(v).__qualname__}:{v!r}")
 
 
+@functools.lru_cache(maxsize=4096)
 def name_hash(name: str) -> int:
-    """A stable 31-bit hash of a string, for signatures compared across ranks."""
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+    """A stable 62-bit hash of a string, in [0, 2**62), for signatures compared across ranks
+    (names, option lists: a CRC's 31 bits let two different option lists agree once in about
+    two billion; these, once in 4.6·10¹⁸)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 2
 
 
 @contextlib.contextmanager
