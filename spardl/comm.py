@@ -1071,8 +1071,8 @@ _DIGEST_BASE = -(2**62)
 
 def signature_digest(data) -> int:
     """A 62-bit digest of ``data`` (bytes, or a string) as a signature field: an integer in
-    [-(2**63) + 2, -(2**62)], a range that plain fields (sizes, counters, hashed names, -1 for
-    "failed") never reach, so a digest cannot pass for one of them."""
+    [-(2**63) + 2, -(2**62)], a range that the fields the library sends (sizes, counters,
+    hashed names, small differences) never reach, so a digest cannot pass for one of them."""
     if isinstance(data, str):
         data = data.encode()
     h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
@@ -1081,13 +1081,12 @@ def signature_digest(data) -> int:
 
 def signature_field(v) -> int:
     """A value as one int64 field of :meth:`Comm.agree`'s signature: an integer (Python or
-    NumPy, not a bool) in (-(2**62), 2**63) as itself; anything else (an integer past int64,
-    a bool, a float, a string) as :func:`signature_digest` of its type and ``repr``. Equal values
-    give equal fields; different values give different fields (but for digest collisions, one
-    in 2**62)."""
-    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
-        if _DIGEST_BASE < int(v) < 2**63:
-            return int(v)
+    NumPy, not a bool) in (-(2**63), 2**63) as itself, so a field maps to itself; anything else
+    (an integer past int64, a bool, a float, a string) as :func:`signature_digest` of its type
+    and ``repr``. Equal values give equal fields; different values give different fields (but
+    for digest collisions, one in 2**62)."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and -(2**63) < v < 2**63:
+        return int(v)
     return signature_digest(f"{type(v).__qualname__}:{v!r}")
 
 

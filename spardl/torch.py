@@ -27,7 +27,7 @@ from . import _arrays as A
 from . import make
 from ._checks import check_bool, check_float, check_int
 from .algorithms.base import collective_check
-from .comm import Comm, name_hash, signature_digest
+from .comm import Comm, name_hash
 
 __all__ = [
     "SparseGradientReducer",
@@ -326,7 +326,7 @@ def _validate_options(
         "options": repr(sorted(options)),  # their values: make's own checks and agreement
         **{k: _plain(v) for k, v in (agreed or {}).items()},
     }
-    collective_check(ctl, err, [signature_digest(repr(sorted(described.items())))], described)
+    collective_check(ctl, err, [name_hash(repr(sorted(described.items())))], described)
     if not hook:
         return
     # The values: make's own checks and messages (unknown algorithm included), on every rank.
@@ -577,7 +577,7 @@ class _Core:
                 try:
                     # Every rank's loaded allreducer state agrees (counters, ρ, the algorithm's
                     # schedule state), as a direct load_state_dict checks.
-                    fields, described = self.sparse._loaded_signature(err is not None)
+                    fields, described = self.sparse._loaded_signature()
                     collective_check(
                         self.ctl,
                         err,
@@ -896,7 +896,7 @@ class _Core:
             # algorithm's schedule state); loaded later (pending), it is checked when applied.
             fields, described = [], {}
             if self.sparse is not None:
-                fields, described = self.sparse._loaded_signature(err is not None)
+                fields, described = self.sparse._loaded_signature()
                 described = {f"allreducer {k}": v for k, v in described.items()}
             collective_check(
                 self.ctl,

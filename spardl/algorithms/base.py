@@ -721,7 +721,7 @@ class Allreducer:
             err = e
             self._restore(saved)
         try:
-            fields, described = self._loaded_signature(err is not None)
+            fields, described = self._loaded_signature()
             self.collective_check(
                 err,
                 [name_hash(f"{self.name}|load_state_dict"), saved[1], *fields],
@@ -731,15 +731,13 @@ class Allreducer:
             self._restore(saved)
             raise
 
-    def _loaded_signature(self, failed: bool) -> tuple[list, dict]:
+    def _loaded_signature(self) -> tuple[list, dict]:
         """What every rank's just loaded state must agree on, as signature fields and in words
         (:func:`collective_check`): the call count, the step, ρ (k and every message size
-        follow from it) and :meth:`_state_signature`. ``failed``: this rank's load failed
-        (its fields then do not matter: the failure is raised). Collective: every rank calls
-        it, failed or not (:meth:`_state_signature` may exchange messages)."""
+        follow from it) and :meth:`_state_signature`. Collective: every rank calls it, also
+        one whose load failed (:meth:`_state_signature` may exchange messages); that rank's
+        fields are its restored state's and do not matter, as its failure is what is raised."""
         more = self._state_signature()
-        if failed:
-            return [-1] * (3 + len(more)), {"state's call number": None}
         return [self._calls, self.step, _float_bits(self.density), *more], {
             "state's call number": self._calls,
             "state's step": self.step,
