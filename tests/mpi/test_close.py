@@ -65,7 +65,9 @@ def test_closed_allreducer_raises_and_keeps_its_state(comm):
 
 def test_auto_closes_every_candidate_it_built(comm):
     P = comm.Get_size()
-    ar = spardl.make("auto", comm, 256, density=0.05, alpha=1e-5, beta=1e-9, trials=1, interval=2)
+    ar = spardl.make(
+        "auto", comm, 256, density=0.05, alpha=1e-5, beta=1e-9, trials=1, interval=2, prune=0
+    )
     g = np.random.default_rng(comm.Get_rank()).standard_normal(256).astype(np.float32)
     for _ in range(2 * len(ar.cands)):
         ar(g)
