@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.spardl-installed
 
-.PHONY: install test test-fast lint train bench clean
+.PHONY: install test test-local test-cudasim test-fast lint train bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,12 +19,21 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The stages that keep about one core busy (single-process tests; the CUDA simulator) run two
+# at a time, each one's output printed whole when it ends; then the tests under mpiexec, which
+# oversubscribe every core by themselves, run alone.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q --durations=10
-	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(VENV)/numba-boundscheck $(PY) -m pytest -q tests/test_kernels.py tests/test_kernel_cases.py
-	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -m cudasim tests/test_cuda_kernels.py tests/test_gpu_pipeline.py
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-local test-cudasim
+	$(PY) -m pytest -q --durations=10 -m mpi
+
+test-local: $(STAMP)
+	$(PY) -m pytest -q --durations=5 -m "not mpi"
+	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(VENV)/numba-boundscheck $(PY) -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_cases.py
+
+test-cudasim: $(STAMP)
+	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider -m cudasim tests/test_cuda_kernels.py tests/test_gpu_pipeline.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not mpi"
