@@ -31,14 +31,14 @@ import numpy as np
 from .. import _arrays as A
 from .. import cost_model
 from .._checks import check_float, check_int
-from ..comm import Comm, name_hash, wire_index_dtype
+from ..comm import Comm, name_hash, signature_field, wire_index_dtype
 from ..dtypes import work_dtype
 from .base import Allreducer, Reduced
 from .dense import Dense
 from .gaussiank import Gaussiank
 from .gtopk import GTopk
-from .oktopk import OkTopk
-from .spardl import SparDL
+from .oktopk import OkTopk, region_fields
+from .spardl import SparDL, owners_h_field
 from .topka import TopkA
 from .topkdsa import TopkDSA
 
@@ -633,15 +633,33 @@ class Auto(Allreducer):
                 self._set_inner_state(self._inners[i], st)
 
     def _state_signature(self) -> list[int]:
-        # The trials' and decisions' collectives follow these: ranks must agree on them.
+        # The trials' and decisions' collectives follow auto's counters, and the current
+        # candidate's steps follow its own step, call count and what its class compares (its
+        # state may be pending: not built yet). That last part can take a collective of the
+        # candidate's own (SparDL's h among a block's owners), so it is computed only where
+        # every rank holds the same candidate and counters; elsewhere the differing counters
+        # fail the comparison by themselves.
         trial = self._trial or [-1, -1]
-        return [
-            self._choice,
+        i = self._choice
+        st = self._inner_state(i)
+        own = [
+            i,
             *trial,
             self._since,
             int(self._flush),
             name_hash(repr(self._skipped)),
+            *((-1, -1) if st is None else (signature_field(st[0]), signature_field(st[1]))),
         ]
+        every = self.comm.allgather_object(own, control=True)
+        if any(o != own for o in every):
+            return own
+        extra = st[3] if st is not None and isinstance(st[3], dict) else {}
+        c = self.cands[i]
+        if c.algorithm == "oktopk" and extra:
+            return own + region_fields(extra.get("bounds"), extra.get("global_threshold", math.nan))
+        if c.algorithm == "spardl" and c.teams > 1 and extra:
+            return own + [owners_h_field(self.comm, extra.get("h"), self.P // c.teams)]
+        return own
 
     def _extra_state(self) -> dict:
         # The current candidate's state only: a step changes no other (O(P), as the base asks).

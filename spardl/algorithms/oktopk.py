@@ -52,6 +52,35 @@ def _positive_int(name, v):
     return int(v)
 
 
+def region_fields(bounds, global_threshold) -> list[int]:
+    """The loaded-state fields every rank of Ok-Topk must share: a digest of the region bounds
+    and the bits of the reused global threshold (every rank reduces over the same regions and
+    selects with the same threshold, and its messages are sized by both).
+
+    Parameters
+    ----------
+    bounds : array_like of int, shape (P + 1,), or None
+        The regions' boundaries (None before the first step).
+    global_threshold : float
+        The reused global threshold (NaN before it is first estimated).
+
+    Returns
+    -------
+    list of int
+        Two signature fields; bounds that are not integers give a field of their own (so that
+        the comparison, not this function, reports them).
+    """
+    try:
+        b = -1 if bounds is None else signature_digest(np.asarray(bounds, np.int64).tobytes())
+    except (TypeError, ValueError, OverflowError):
+        b = signature_digest(repr(bounds))
+    try:
+        t = _float_bits(float(global_threshold))
+    except (TypeError, ValueError, OverflowError):
+        t = signature_digest(repr(global_threshold))
+    return [b, t]
+
+
 class OkTopk(Allreducer):
     """Ok-Topk sparse allreduce on the project's kernels.
 
@@ -417,10 +446,7 @@ class OkTopk(Allreducer):
         }
 
     def _state_signature(self) -> list[int]:
-        # Every rank reduces over the same regions and selects with the same global threshold
-        # (its messages are sized by both): a loaded state must hold the same on every rank.
-        b = -1 if self.bounds is None else signature_digest(self.bounds.astype(np.int64).tobytes())
-        return [b, _float_bits(self.global_threshold)]
+        return region_fields(self.bounds, self.global_threshold)
 
     def _load_extra_state(self, state: dict) -> None:
         b = state.get("bounds")

@@ -15,7 +15,7 @@ import spardl_kernels as K
 
 from .. import _arrays as A
 from .._checks import check_int
-from ..comm import wire_index_dtype
+from ..comm import signature_field, wire_index_dtype
 from ..schedules import bruck_schedule, srs_schedule
 from ..selection import make_selector
 from .base import Allreducer, Reduced, budget
@@ -337,14 +337,7 @@ class SparDL(Allreducer):
         return {"h": self.h, "selector": self.selector.state_dict()}
 
     def _state_signature(self) -> list[int]:
-        # With d > 1 the d owners of a block exchange top-h selections sized by their own h
-        # (:meth:`_spar_all_gather_across_teams`), so they must hold the same h; owners of
-        # different blocks need not. The field is h minus the team-0 owner's: 0 on every rank
-        # exactly when every block's owners agree.
-        if self._cross is None:
-            return []
-        hs = self._cross.allgather_object(int(self.h))
-        return [int(self.h) - hs[0]]
+        return [] if self.d == 1 else [owners_h_field(self.comm, self.h, self.m)]
 
     def _load_extra_state(self, state: dict) -> None:
         if not state:
@@ -354,6 +347,33 @@ class SparDL(Allreducer):
             raise ValueError(f"state has h={h}, outside [{self.h_min}, {self.k_b[self.p]}]")
         self.selector.load_state_dict(state["selector"])
         self.h = h
+
+
+def owners_h_field(comm, h, m: int) -> int:
+    """The loaded-state field by which SparDL's ranks agree on h (collective over ``comm``).
+
+    With d > 1 teams of m = P/d ranks, the d owners of a block (the ranks r with the same
+    r mod m) exchange top-h selections sized by their own h (docs/design.md §4.3), so they must
+    hold the same h; owners of different blocks need not.
+
+    Parameters
+    ----------
+    comm : spardl.comm.Comm
+        The allreducer's communicator (P ranks, rank r owns block r mod m).
+    h : int
+        This rank's h (any other value is compared by its digest).
+    m : int
+        Ranks per team, P/d.
+
+    Returns
+    -------
+    int
+        h minus the h of this block's team-0 owner (rank r mod m): 0 on every rank exactly when
+        every block's owners agree.
+    """
+    v = signature_field(h)  # a loaded h that is no integer still takes part in the exchange
+    hs = comm.allgather_object(v, control=True)
+    return v - hs[comm.rank % m]
 
 
 class _PartialSums:

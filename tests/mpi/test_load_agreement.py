@@ -1,8 +1,8 @@
 """Cross-rank agreement of what a rank cannot check alone: loaded states whose ranks disagree on
 something the collective schedule depends on (ρ, Ok-Topk's regions and global threshold,
-SparDL's h across teams, auto's trial counters), and fields no int64 holds. Each raises on every
-rank, leaves every rank's state as it was, and the allreducer keeps working; none may hang or
-end in a truncated message.
+SparDL's h across teams, auto's trial counters and current candidate), and fields no int64
+holds. Each raises on every rank, leaves every rank's state as it was, and the allreducer keeps
+working; none may hang or end in a truncated message.
 
 Runs on every rank under `mpiexec -n P` (tests/test_mpi.py); at P = 1 there is no other rank to
 differ, and the same loads must succeed.
@@ -119,6 +119,38 @@ def test_auto_states_with_different_trial_counters_fail_everywhere(comm, field):
         else:
             extra["not_tried"] = [*extra["not_tried"], 0]
     _load_expecting(comm, a, state, "ranks disagree on .*state's other counters")
+
+
+@pytest.mark.parametrize("into", ["built", "pending"])
+@pytest.mark.parametrize("change", ["inner step", "threshold", "h"])
+def test_auto_candidate_states_that_differ_fail_everywhere(comm, change, into):
+    """Auto's current candidate follows its own step and state: a loaded state where the last
+    rank's candidate differs (its step, Ok-Topk's global threshold, SparDL's h among a block's
+    owners) is refused on every rank, whether the candidate is built (the same allreducer) or
+    its state waits for it to be built (a fresh one)."""
+    P = comm.size
+    n = 480
+    if change == "h":
+        d = 2 if P % 2 == 0 else P
+        opts = dict(candidates=[f"spardl:d={d}"], trials=0)
+    else:
+        opts = dict(candidates=["oktopk"], trials=0)
+    a = _stepped(comm, "auto", n, 0.1, steps=4, **opts)
+    state = copy.deepcopy(a.state_dict())
+    inner = list(state["extra"]["inner"])
+    if comm.rank == P - 1 and P > 1:
+        if change == "inner step":
+            inner[0] += 1
+        elif change == "threshold":
+            assert np.isfinite(inner[3]["global_threshold"])
+            inner[3]["global_threshold"] *= 2
+        else:
+            ar = a._inner(a._choice)
+            assert ar.h_min < ar.k_b[ar.p]  # h has room to differ
+            inner[3]["h"] += 1 if inner[3]["h"] < ar.k_b[ar.p] else -1
+    state["extra"]["inner"] = tuple(inner)
+    b = a if into == "built" else spardl.make("auto", comm, n, density=0.1, **opts)
+    _load_expecting(comm, b, state, "ranks disagree on .*state's other counters")
 
 
 @pytest.mark.parametrize("key", ["step", "calls"])
