@@ -211,7 +211,7 @@ class Allreducer:
             "nonfinite": nonfinite,
             "check": check,
             "wire": wire if isinstance(wire, str) else repr(wire),
-            "options": repr(sorted(options.items())),
+            "options": repr(sorted((k, _option_value(v)) for k, v in options.items())),
         }
         sig = [
             name_hash(self.name),
@@ -943,6 +943,23 @@ def _check_wire(wire) -> str:
     if wire not in WIRES:
         raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
     return wire
+
+
+def _option_value(v):
+    """An option's value as the ranks compare it: NumPy scalars as the Python number or bool of
+    the same value (``teams=np.int64(2)`` on one rank and ``teams=2`` on another agree), tuples
+    as lists, containers element by element; anything else as it is (compared by ``repr``)."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):
+        return float(v)
+    if isinstance(v, (list, tuple)):
+        return [_option_value(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _option_value(x) for k, x in sorted(v.items(), key=lambda kv: repr(kv[0]))}
+    return v
 
 
 def _safe_int(v) -> int:

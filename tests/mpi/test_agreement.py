@@ -141,3 +141,22 @@ def test_grad_of_the_wrong_type_is_a_type_error(comm, grad, message):
 def test_bad_params_name_params(comm, params, error, message):
     with pytest.raises(error, match=message):
         st.SparseGradientReducer(params(_model()), comm)
+
+
+def test_numpy_and_python_option_values_of_the_same_value_agree(comm):
+    """An option given as a NumPy scalar on one rank and a Python number on another (or a tuple
+    and a list) means the same allreducer: it is built on every rank and gives the same result;
+    a value that differs is refused on every rank, named."""
+    last = comm.rank == comm.size - 1
+    d = 1 if P % 2 else 2
+    ar = spardl.make("spardl", comm, 64, density=0.1, teams=np.int64(d) if last else d)
+    g = np.random.default_rng(comm.rank).standard_normal(64).astype(np.float32)
+    out = ar(g)
+    every = comm.allgather((out.indices.tobytes(), out.values.tobytes()))
+    assert all(e == every[0] for e in every)
+    names = ["topka", "dense"]
+    a = spardl.make("auto", comm, 64, density=0.1, candidates=tuple(names) if last else names)
+    assert a.stats["auto"]["choice"] == "topka"
+    if P > 1:
+        with pytest.raises(ValueError, match="ranks disagree on options"):
+            spardl.make("oktopk", comm, 64, density=0.1, region_interval=np.int64(3 if last else 4))
