@@ -37,8 +37,8 @@ from .base import Allreducer, Reduced
 from .dense import Dense
 from .gaussiank import Gaussiank
 from .gtopk import GTopk
-from .oktopk import OkTopk, region_fields
-from .spardl import SparDL, owners_h_field
+from .oktopk import OkTopk
+from .spardl import SparDL
 from .topka import TopkA
 from .topkdsa import TopkDSA
 
@@ -329,7 +329,6 @@ class Auto(Allreducer):
         ar = self._inners.get(i)
         if ar is None:
             c = self.cands[i]
-            opts = {"teams": c.teams} if c.algorithm == "spardl" else {}
             ar = _CLASSES[c.algorithm](
                 self.comm,
                 self.n,
@@ -339,13 +338,19 @@ class Auto(Allreducer):
                 nonfinite=self.nonfinite,
                 check=self.check,
                 wire=self.wire,
-                **opts,
+                **self._candidate_options(c),
             )
             self._inners[i] = ar
             pending = self._pending.pop(i, None)
             if pending is not None:
                 self._set_inner_state(ar, pending)
         return ar
+
+    @staticmethod
+    def _candidate_options(c) -> dict:
+        """The algorithm options candidate ``c`` is built with (beyond those of every
+        allreducer): SparDL's d."""
+        return {"teams": c.teams} if c.algorithm == "spardl" else {}
 
     def _dense_now(self) -> bool:
         return self.cands[self._choice].algorithm == "dense"
@@ -634,14 +639,15 @@ class Auto(Allreducer):
 
     def _state_signature(self) -> list[int]:
         # The trials' and decisions' collectives follow auto's counters, and the current
-        # candidate's steps follow its own step, call count and what its class compares (its
-        # state may be pending: not built yet). That last part can take a collective of the
-        # candidate's own (SparDL's h among a block's owners), so it is computed only where
-        # every rank holds the same candidate and counters; elsewhere the differing counters
-        # fail the comparison by themselves.
+        # candidate's steps follow its own step, call count and the fields its class compares
+        # (``_state_fields``; its state may be pending: not built yet). Those fields can take a
+        # collective of the candidate's own (SparDL's h among a block's owners), so they are
+        # computed only where every rank holds the same candidate, counters and whether it has
+        # a state of its own; elsewhere the differing fields fail the comparison by themselves.
         trial = self._trial or [-1, -1]
         i = self._choice
         st = self._inner_state(i)
+        extra = st[3] if st is not None and isinstance(st[3], dict) else {}
         own = [
             i,
             *trial,
@@ -649,17 +655,15 @@ class Auto(Allreducer):
             int(self._flush),
             name_hash(repr(self._skipped)),
             *((-1, -1) if st is None else (signature_field(st[0]), signature_field(st[1]))),
+            int(bool(extra)),
         ]
         every = self.comm.allgather_object(own, control=True)
         if any(o != own for o in every):
             return own
-        extra = st[3] if st is not None and isinstance(st[3], dict) else {}
         c = self.cands[i]
-        if c.algorithm == "oktopk" and extra:
-            return own + region_fields(extra.get("bounds"), extra.get("global_threshold", math.nan))
-        if c.algorithm == "spardl" and c.teams > 1 and extra:
-            return own + [owners_h_field(self.comm, extra.get("h"), self.P // c.teams)]
-        return own
+        cls = _CLASSES[c.algorithm]
+        opts = {**cls.options, **self._candidate_options(c)}
+        return own + cls._state_fields(self.comm, extra, opts)
 
     def _extra_state(self) -> dict:
         # The current candidate's state only: a step changes no other (O(P), as the base asks).

@@ -747,9 +747,20 @@ class Allreducer:
 
     def _state_signature(self) -> list[int]:
         """Integers every rank's loaded state must agree on besides the step, call count and
-        density (:meth:`load_state_dict`): none here; a subclass whose collective schedule
-        depends on more of its state lists it. Called on every rank (it may exchange
-        messages: a value that only some ranks must share is compared that way)."""
+        density (:meth:`load_state_dict`): :meth:`_state_fields` of this allreducer's own
+        state. Called on every rank (it may exchange messages)."""
+        return type(self)._state_fields(self.comm, self._extra_state(), self.opts)
+
+    @classmethod
+    def _state_fields(cls, comm: Comm, extra: dict, opts: dict) -> list[int]:
+        """The signature fields of an algorithm's own state (``extra``, as :meth:`_extra_state`
+        returns it) that every rank must agree on because its collective schedule follows
+        them: none here; Ok-Topk (regions, reused threshold) and SparDL with d > 1 (h among a
+        block's owners) override it. A classmethod so that ``auto`` can compare the state of
+        a candidate it has not built yet. Called on every rank with the same ``opts`` and a
+        non-empty ``extra`` on all or none; it may exchange messages over ``comm`` (a value
+        only some ranks must share is compared that way), and it must take any loaded value
+        without raising (the comparison, not this function, reports a bad one)."""
         return []
 
     def _snapshot(self):

@@ -445,8 +445,11 @@ class OkTopk(Allreducer):
             "selector": self.selector.state_dict(),
         }
 
-    def _state_signature(self) -> list[int]:
-        return region_fields(self.bounds, self.global_threshold)
+    @classmethod
+    def _state_fields(cls, comm, extra: dict, opts: dict) -> list[int]:
+        if not extra:
+            return []
+        return region_fields(extra.get("bounds"), extra.get("global_threshold", math.nan))
 
     def _load_extra_state(self, state: dict) -> None:
         b = state.get("bounds")

@@ -336,8 +336,12 @@ class SparDL(Allreducer):
     def _extra_state(self) -> dict:
         return {"h": self.h, "selector": self.selector.state_dict()}
 
-    def _state_signature(self) -> list[int]:
-        return [] if self.d == 1 else [owners_h_field(self.comm, self.h, self.m)]
+    @classmethod
+    def _state_fields(cls, comm, extra: dict, opts: dict) -> list[int]:
+        d = opts["teams"]
+        if d == 1 or not extra:
+            return []
+        return [owners_h_field(comm, extra.get("h"), comm.size // d)]
 
     def _load_extra_state(self, state: dict) -> None:
         if not state:
