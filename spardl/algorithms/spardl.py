@@ -298,9 +298,11 @@ class SparDL(Allreducer):
             A.concat([sel[t][1] for t in range(self.d)], vdt, dev),
         )
         u = int(ui.shape[0])
-        rel, top = K.topk_abs(uv, min(kb, u))
         self.stats["h"] = h
         self.h = next_h(h, u, kb, self.d)
+        if u <= kb:  # the whole union is its own top-k_b (coalesce's arrays are fresh)
+            return ui, uv
+        rel, top = K.topk_abs(uv, kb)
         return A.take(ui, rel), top
 
     def _spar_all_gather_within_team(self, sums, own, vdt):
