@@ -322,6 +322,10 @@ class SparDL(Allreducer):
             # The d owners of block p hold the same own: one of them keeps its rounding. With
             # d > 1 its positions may lie outside what this rank sent, so "local" must undo it.
             sums.keep_rounding(*own, blocks[p][1], logged=self.d > 1)
+        i, v = blocks[p]
+        if self.m == 1 and self.d > 1 and i.dtype == np.int64 and v.dtype == vdt:
+            # One block, the union's top-k_b in fresh arrays: the output as they are.
+            return i, v
         dev = A.is_device(sums.S)
         indices = A.concat([blocks[q][0] for q in range(self.m)], np.int64, dev)
         values = A.concat([blocks[q][1] for q in range(self.m)], vdt, dev)
