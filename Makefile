@@ -23,8 +23,7 @@ install: $(STAMP)
 # at a time, each one's output printed whole when it ends; then the tests under mpiexec, which
 # oversubscribe every core by themselves, run alone.
 test: $(STAMP)
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
+	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-local test-cudasim
 	$(PY) -m pytest -q --durations=10 -m mpi
 
