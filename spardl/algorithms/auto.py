@@ -340,10 +340,25 @@ class Auto(Allreducer):
                 wire=self.wire,
                 **self._candidate_options(c),
             )
-            self._inners[i] = ar
-            pending = self._pending.pop(i, None)
+            # A loaded state waiting for this candidate is applied now; one it refuses on some
+            # rank raises on every rank, and the candidate is not kept (its state stays pending).
+            pending, err = self._pending.get(i), None
             if pending is not None:
-                self._set_inner_state(ar, pending)
+                try:
+                    self._set_inner_state(ar, pending)
+                except (TypeError, ValueError) as e:
+                    err = e
+            try:
+                self.collective_check(
+                    err,
+                    [name_hash(f"auto|build|{c.name}"), i, int(pending is not None)],
+                    {"auto builds candidate": c.name, "with a loaded state": pending is not None},
+                )
+            except BaseException:
+                ar.close()
+                raise
+            self._pending.pop(i, None)
+            self._inners[i] = ar
         return ar
 
     @staticmethod
@@ -703,10 +718,11 @@ class Auto(Allreducer):
         i = names.index(state["choice"])
         inner = state["inner"]
         if inner is not None:
+            inner = _checked_inner(inner)
             if i in self._inners:
                 self._set_inner_state(self._inners[i], inner)
             else:
-                self._pending[i] = tuple(inner)
+                self._pending[i] = inner
         self._choice, self._flush = i, bool(state["flush"])
         self.device_resident = _CLASSES[self.cands[i].algorithm].device_resident
         if "trial" in state:
@@ -727,6 +743,20 @@ class Auto(Allreducer):
             w.extend(tuple(float(v) for v in t) for t in saved)
         self._report()
 
+    def load_state_dict(self, state: dict) -> None:
+        """As :meth:`Allreducer.load_state_dict`; the current candidate's saved state is also
+        applied now, the candidate built if it is not yet (collective), so that a state it
+        refuses on some rank (e.g. SparDL's h outside its range on one block's owners) raises
+        here on every rank, and every rank keeps its state as it was."""
+        saved = self._snapshot()
+        super().load_state_dict(state)
+        if self._choice in self._pending:  # on every rank alike: the load compared it
+            try:
+                self._inner(self._choice)
+            except BaseException:
+                self._restore(saved)
+                raise
+
     def _legacy_times(self, times):
         """The timing windows of a state saved before ``prune``, in this allreducer's order: with
         the default candidates those states listed them in the old default order (dense first)."""
@@ -742,6 +772,34 @@ class Auto(Allreducer):
             f"density={getattr(self, 'density', '?')}, "
             f"choice={self.cands[self._choice].name if hasattr(self, '_choice') else '?'!r})"
         )
+
+
+def _checked_inner(inner) -> tuple:
+    """A saved candidate state as ``_set_inner_state`` takes it, checked on this rank:
+    (step, call count, dtype name or None, the algorithm's own state dict or None).
+
+    Raises
+    ------
+    ValueError
+        Not a sequence of those four fields; a negative step or call count.
+    TypeError
+        A field of another type (a bool is no count).
+    """
+    if not isinstance(inner, (tuple, list)) or len(inner) != 4:
+        raise ValueError(
+            "state's inner (the current candidate's state) must be (step, calls, dtype, extra)"
+        )
+    step, calls, dtype, extra = inner
+    for name, v in (("step", step), ("calls", calls)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"state's inner {name} must be an integer, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"state's inner {name} must be >= 0, got {v}")
+    if dtype is not None and not isinstance(dtype, str):
+        raise TypeError(f"state's inner dtype must be a dtype name or None, got {dtype!r}")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"state's inner extra must be a dict or None, got {type(extra).__name__}")
+    return (int(step), int(calls), dtype, extra)
 
 
 def explain(report: dict) -> str:

@@ -103,6 +103,26 @@ def test_spardl_team_owners_with_different_h_fail_everywhere(comm):
     _load_expecting(comm, a, state, "ranks disagree on .*state's other counters")
 
 
+def _auto_trying(comm, n, target):
+    """``auto`` saved during the trials of its second candidate, ``target`` (two of its three
+    trial steps taken), and the options to build another: a fresh one has built its first
+    candidate only, so the saved candidate state waits there for ``target`` to be built."""
+    opts = dict(candidates=["topka", target], trials=3)
+    a = _stepped(comm, "auto", n, 0.1, steps=5, **opts)
+    assert a.stats["auto"]["choice"] == target and a.stats["auto"]["phase"] == "trials"
+    return a, opts
+
+
+def _auto_into(comm, a, n, opts, into):
+    """The allreducer a state of ``a`` is loaded into: ``a`` itself (its current candidate
+    built) or a fresh one (that candidate not built yet)."""
+    if into == "built":
+        return a
+    b = spardl.make("auto", comm, n, density=0.1, **opts)
+    assert sorted(b._inners) == [0]
+    return b
+
+
 @pytest.mark.parametrize("field", ["since", "flush", "not_tried"])
 def test_auto_states_with_different_trial_counters_fail_everywhere(comm, field):
     """Auto's trial and decision schedule follows its counters (more of them than one check
@@ -130,12 +150,8 @@ def test_auto_candidate_states_that_differ_fail_everywhere(comm, change, into):
     its state waits for it to be built (a fresh one)."""
     P = comm.size
     n = 480
-    if change == "h":
-        d = 2 if P % 2 == 0 else P
-        opts = dict(candidates=[f"spardl:d={d}"], trials=0)
-    else:
-        opts = dict(candidates=["oktopk"], trials=0)
-    a = _stepped(comm, "auto", n, 0.1, steps=4, **opts)
+    d = 2 if P % 2 == 0 else P
+    a, opts = _auto_trying(comm, n, f"spardl:d={d}" if change == "h" else "oktopk")
     state = copy.deepcopy(a.state_dict())
     inner = list(state["extra"]["inner"])
     if comm.rank == P - 1 and P > 1:
@@ -149,8 +165,40 @@ def test_auto_candidate_states_that_differ_fail_everywhere(comm, change, into):
             assert ar.h_min < ar.k_b[ar.p]  # h has room to differ
             inner[3]["h"] += 1 if inner[3]["h"] < ar.k_b[ar.p] else -1
     state["extra"]["inner"] = tuple(inner)
-    b = a if into == "built" else spardl.make("auto", comm, n, density=0.1, **opts)
+    b = _auto_into(comm, a, n, opts, into)
     _load_expecting(comm, b, state, "ranks disagree on .*state's other counters")
+
+
+@pytest.mark.parametrize("into", ["built", "pending"])
+@pytest.mark.parametrize("change", ["h out of range", "malformed"])
+def test_auto_candidate_states_refused_on_some_ranks_fail_everywhere(comm, change, into):
+    """A candidate state that only some ranks refuse: SparDL's h out of range on every owner of
+    the last rank's block (the owners agree, so no comparison catches it), or a malformed
+    candidate state on the last rank. Both raise on every rank at the load, also where the
+    candidate is not built yet (its state once waited unchecked for the first step, where
+    those ranks alone raised and the others hung; the malformed one hung the load)."""
+    P = comm.size
+    n = 480
+    d = 2 if P % 2 == 0 else P
+    a, opts = _auto_trying(comm, n, f"spardl:d={d}")
+    state = copy.deepcopy(a.state_dict())
+    inner = list(state["extra"]["inner"])
+    m = P // d
+    if change == "h out of range":
+        if comm.rank % m == (P - 1) % m:
+            inner[3]["h"] = 10**6
+        match = "h=1000000, outside"
+    else:
+        if comm.rank == P - 1:
+            inner = inner[:3]
+        match = r"must be \(step, calls, dtype, extra\)"
+    state["extra"]["inner"] = tuple(inner)
+    b = _auto_into(comm, a, n, opts, into)
+    before, built = b.state_dict(), sorted(b._inners)
+    with pytest.raises(ValueError, match=match):
+        b.load_state_dict(state)
+    assert b._pending == {} and sorted(b._inners) == built  # nothing of the state kept
+    _still_in_step(comm, b, before)
 
 
 @pytest.mark.parametrize("key", ["step", "calls"])
