@@ -781,7 +781,7 @@ def _checked_inner(inner) -> tuple:
     Raises
     ------
     ValueError
-        Not a sequence of those four fields; a negative step or call count.
+        Not a sequence of those four fields; a step or call count outside [0, 2**63).
     TypeError
         A field of another type (a bool is no count).
     """
@@ -790,11 +790,7 @@ def _checked_inner(inner) -> tuple:
             "state's inner (the current candidate's state) must be (step, calls, dtype, extra)"
         )
     step, calls, dtype, extra = inner
-    for name, v in (("step", step), ("calls", calls)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"state's inner {name} must be an integer, got {type(v).__name__}")
-        if v < 0:
-            raise ValueError(f"state's inner {name} must be >= 0, got {v}")
+    Allreducer._check_loaded_counters({"step": step, "calls": calls}, "state's inner")
     if dtype is not None and not isinstance(dtype, str):
         raise TypeError(f"state's inner dtype must be a dtype name or None, got {dtype!r}")
     if extra is not None and not isinstance(extra, dict):

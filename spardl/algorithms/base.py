@@ -830,12 +830,13 @@ class Allreducer:
             raise ValueError(f"state is malformed ({type(e).__name__}: {e})") from e
 
     @staticmethod
-    def _check_loaded_counters(state) -> None:
-        """A state's step and call count: integers (not bools) in [0, 2**63)."""
+    def _check_loaded_counters(state, what: str = "state") -> None:
+        """A state's step and call count: integers (not bools) in [0, 2**63); errors name them
+        as ``what`` says (e.g. "state's inner" for a candidate's state inside ``auto``'s)."""
         for key in ("step", "calls"):
-            check_int(f"state {key}", state[key])
+            check_int(f"{what} {key}", state[key])
             if not 0 <= state[key] < 2**63:
-                raise ValueError(f"state {key} must be in [0, 2**63), got {state[key]}")
+                raise ValueError(f"{what} {key} must be in [0, 2**63), got {state[key]}")
 
     def _check_loaded_residual(self, dtype, res) -> None:
         """A state's gradient dtype and residual: a float dtype, and a residual of its work dtype
