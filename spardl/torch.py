@@ -26,7 +26,7 @@ import torch
 from . import _arrays as A
 from . import make
 from ._checks import check_bool, check_float, check_int
-from .algorithms.base import collective_check
+from .algorithms.base import agree_on_load, collective_check
 from .comm import Comm, name_hash
 
 __all__ = [
@@ -485,13 +485,19 @@ def _raise_after_backward(err: BaseException) -> None:
         raise err from None
 
 
-def _raise_everywhere(ctl: Comm, err) -> None:
-    """After a control allreduce said some rank failed: raise on every rank, naming the first."""
-    reports = ctl.allgather_object(None if err is None else (type(err).__name__, str(err)))
-    if err is not None:
-        raise err
-    r, (kind, msg) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
-    raise (TypeError if kind == "TypeError" else ValueError)(f"rank {r}: {msg}")
+def _step_control(ctl: Comm, err, local: np.ndarray, what: str, *more: int) -> np.ndarray:
+    """The control allreduce that starts a step: ``local`` summed over the ranks (from entry 1
+    on, which parameters some rank used; entry 0 is unused), after every rank agrees that it
+    passed its own checks (``err`` is None) and is in the same step (``what``, ``more`` and
+    the number of parameters). The agreement comes first, in the fixed size of every
+    agreement (:func:`collective_check`): a rank that is elsewhere on the control communicator
+    (loading a state while the others step, say) makes every rank raise, where a sum of
+    another size ended in a truncated message, or summed unrelated numbers. Raises ``err`` on
+    its rank and the same type, naming that rank, on the others."""
+    collective_check(
+        ctl, err, [name_hash(what), *more, len(local)], {what: [*more, len(local) - 1]}
+    )
+    return ctl.allreduce(local)
 
 
 class _Core:
@@ -577,12 +583,12 @@ class _Core:
                 try:
                     # Every rank's loaded allreducer state agrees (counters, ρ, the algorithm's
                     # schedule state), as a direct load_state_dict checks.
-                    fields, described = self.sparse._loaded_signature()
-                    collective_check(
+                    agree_on_load(
                         self.ctl,
                         err,
-                        [name_hash("apply loaded state"), *fields],
-                        {"loaded state": self.algorithm, **described},
+                        [name_hash("apply loaded state")],
+                        {"loaded state": self.algorithm},
+                        loaded=self.sparse,
                     )
                 except BaseException:
                     self.sparse._restore(fresh)
@@ -894,20 +900,17 @@ class _Core:
         try:
             # The allreducer's loaded state must agree across ranks too (counters, ρ, the
             # algorithm's schedule state); loaded later (pending), it is checked when applied.
-            fields, described = [], {}
-            if self.sparse is not None:
-                fields, described = self.sparse._loaded_signature()
-                described = {f"allreducer {k}": v for k, v in described.items()}
-            collective_check(
+            agree_on_load(
                 self.ctl,
                 err,
-                [name_hash("load_state_dict"), saved[0], self.step if err is None else -1, *fields],
+                [name_hash("load_state_dict"), saved[0], self.step if err is None else -1],
                 {
                     "load_state_dict": self.algorithm,
                     "step before": saved[0],
                     "state's step": self.step if err is None else None,
-                    **described,
                 },
+                loaded=self.sparse,
+                prefix="allreducer ",
             )
         except BaseException:
             self.step, self.velocity, self.pending_velocity, stats, self.pending, ar = saved
@@ -1079,11 +1082,8 @@ class _Buckets:
                 check_group()
                 self.checked = True
             local = np.zeros(1 + len(keys), dtype=np.int64)
-            local[0] = err is not None
             local[1:] = used
-            total = self.ctl.allreduce(local)
-            if total[0]:
-                _raise_everywhere(self.ctl, err)
+            total = _step_control(self.ctl, err, local, "reduce_bucket", index)
             core = self._core_for(index, keys, numels, buf)
             o = core.offsets
             with torch.no_grad():
@@ -1654,9 +1654,7 @@ class SparseHookState(_Front):
         if core.keys is None:
             first = self._first_layout(params, inflight)
         local, err = self._copy_in(seen, first, err)
-        total = core.ctl.allreduce(local)
-        if total[0]:
-            _raise_everywhere(core.ctl, err)
+        total = _step_control(core.ctl, err, local, "hook iteration")
         o = core.offsets
         core.run([(o[i], o[i + 1]) for i in range(len(core.keys)) if total[1 + i] == 0])
         with torch.no_grad():
@@ -1730,7 +1728,6 @@ class SparseHookState(_Front):
                 local[1 + i] = 1 if first else int(self._used.get(id(p), False))
             for i in np.flatnonzero(~present):
                 flat[o[i] : o[i + 1]].zero_()
-        local[0] = err is not None
         for key in self._used:
             self._used[key] = False
         return local, err
@@ -1962,10 +1959,7 @@ class SparseGradientReducer(_Front):
                 else:
                     flat[o[i] : o[i + 1]].copy_(g.reshape(-1))
                     local[1 + i] = 1
-            local[0] = err is not None
-            total = core.ctl.allreduce(local)
-            if total[0]:
-                _raise_everywhere(core.ctl, err)
+            total = _step_control(core.ctl, err, local, "reduce")
             used = total[1:] > 0
             out = core.run([(o[i], o[i + 1]) for i in np.flatnonzero(~used)])
             for i, p in enumerate(self.params):

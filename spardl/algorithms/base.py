@@ -704,14 +704,17 @@ class Allreducer:
         ------
         TypeError
             On every rank, if some rank's ``state`` is not a dict, its ``step`` or ``calls`` is
-            not an integer (a bool included), its ``dtype`` is not float16/32/64, or its
-            residual is not of that dtype's work dtype.
+            not an integer (a bool included), its ``density`` not a real number, its ``extra``
+            not a dict, its ``dtype`` is not float16/32/64, or its residual is not of that
+            dtype's work dtype.
         ValueError
             On every rank, if some rank's state misses a key, comes from another algorithm, n,
-            world size or rank, has a negative ``step`` or ``calls``, holds a NaN or Inf in its
+            world size or rank, has a negative ``step`` or ``calls`` or a ``density`` outside
+            (0, 1], holds a NaN or Inf in its
             residual (unless ``nonfinite="propagate"``), or the ranks' states disagree on the
             step, the call count, the density or what the algorithm's messages depend on
-            (:meth:`_state_signature`: Ok-Topk's regions and global threshold, SparDL's h).
+            (:meth:`_state_signature`: Ok-Topk's regions and global threshold, SparDL's h),
+            or some rank is not in this load (stepping, say).
         """
         saved = self._snapshot()
         err = None
@@ -721,11 +724,12 @@ class Allreducer:
             err = e
             self._restore(saved)
         try:
-            fields, described = self._loaded_signature()
-            self.collective_check(
+            agree_on_load(
+                self.comm,
                 err,
-                [name_hash(f"{self.name}|load_state_dict"), saved[1], *fields],
-                {"load_state_dict": self.name, "call number before": saved[1], **described},
+                [name_hash(f"{self.name}|load_state_dict"), saved[1]],
+                {"load_state_dict": self.name, "call number before": saved[1]},
+                loaded=self,
             )
         except BaseException:
             self._restore(saved)
@@ -734,9 +738,9 @@ class Allreducer:
     def _loaded_signature(self) -> tuple[list, dict]:
         """What every rank's just loaded state must agree on, as signature fields and in words
         (:func:`collective_check`): the call count, the step, ρ (k and every message size
-        follow from it) and :meth:`_state_signature`. Collective: every rank calls it, also
-        one whose load failed (:meth:`_state_signature` may exchange messages); that rank's
-        fields are its restored state's and do not matter, as its failure is what is raised."""
+        follow from it) and :meth:`_state_signature`. Collective, and only once every rank is
+        known to be in the same load (:func:`agree_on_load`): :meth:`_state_signature` may
+        exchange messages of its own."""
         more = self._state_signature()
         return [self._calls, self.step, _float_bits(self.density), *more], {
             "state's call number": self._calls,
@@ -811,11 +815,13 @@ class Allreducer:
             )
         self._check_loaded_counters(state)
         self._check_loaded_residual(state["dtype"], res)
-        density = float(state.get("density", self.density))
-        if density != self.density:
-            self._validate_common(
-                self.n, density, self.op, self.residual_mode, self.nonfinite, self.check
-            )
+        density = check_float("state density", state.get("density", self.density))
+        if not (0 < density <= 1) or math.isnan(density):
+            raise ValueError(f"state density must be in (0, 1], got {density}")
+        density = float(density)
+        extra = state.get("extra", {})
+        if not isinstance(extra, dict):
+            raise TypeError(f"state extra must be a dict, got {type(extra).__name__}")
         saved = self._snapshot()
         try:
             self.step = int(state["step"])
@@ -824,7 +830,7 @@ class Allreducer:
             self._residual = None if res is None else np.array(A.to_host(res), copy=True)
             if density != self.density:  # saved after set_density: ρ, k and what derives
                 self._apply_density(density)
-            self._load_extra_state(state.get("extra", {}))
+            self._load_extra_state(extra)
         except Exception as e:  # noqa: BLE001 - a malformed state: restored, then a ValueError
             self._restore(saved)
             raise ValueError(f"state is malformed ({type(e).__name__}: {e})") from e
@@ -917,6 +923,50 @@ def collective_check(comm: Comm, err, signature, described) -> None:
         if any(repr(d.get(key)) != repr(descs[0].get(key)) for d in descs)
     ]
     raise ValueError("ranks disagree on " + "; ".join(diffs or ["the call sequence"]))
+
+
+def agree_on_load(comm: Comm, err, identity, described, loaded=None, prefix: str = "") -> None:
+    """Raise on every rank unless every rank loaded its state and the loaded states agree.
+
+    Two agreements (:func:`collective_check`): first that every rank is in the same load
+    (``identity``) and loaded its own state (``err`` is None everywhere); then, for an allreducer
+    just loaded, that the ranks' loaded states agree (:meth:`Allreducer._loaded_signature`).
+    The second may exchange messages of its own (SparDL's h among a block's owners, ``auto``'s
+    current candidate), which a rank busy elsewhere (stepping, or loading something else)
+    would never answer: the first agreement is what turns that mismatch into an error on every
+    rank instead of a hang.
+
+    Parameters
+    ----------
+    comm : Comm
+        The communicator every rank agrees on.
+    err : Exception or None
+        This rank's error from loading its own state, re-raised on this rank.
+    identity : sequence of int
+        What names this load on every rank (a hashed name, the call or step number).
+    described : dict
+        ``identity`` in words, for the message.
+    loaded : Allreducer, optional
+        The allreducer whose just loaded state must agree across ranks.
+    prefix : str, default ""
+        Put before the names of the loaded state's fields in the message.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, if some rank's load failed, the ranks are not all in this load, or the
+        loaded states disagree.
+    """
+    collective_check(comm, err, identity, described)
+    if loaded is None:
+        return
+    fields, more = loaded._loaded_signature()
+    collective_check(
+        comm,
+        None,
+        [*identity, *fields],
+        {**described, **{f"{prefix}{k}": v for k, v in more.items()}},
+    )
 
 
 def _fixed_signature(signature) -> list[int]:

@@ -297,3 +297,81 @@ def test_hook_states_of_different_densities_fail_at_the_first_sparse_step(comm):
         return
     with pytest.raises(ValueError, match="ranks disagree on .*state's density"):
         step(fresh, 3)
+
+
+def _load_options(comm, algorithm):
+    # SparDL with teams of one rank each (d = P > 1): its loaded signature exchanges h among a
+    # block's owners, as auto's does for its candidate; Ok-Topk's is local.
+    return {"teams": comm.size} if algorithm == "spardl" else {}
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "spardl", "oktopk"])
+def test_a_load_on_one_rank_while_the_others_step_fails_everywhere(comm, algorithm):
+    """One rank loads a state while the others step: every rank raises, naming the load, and
+    nobody hangs (the algorithms whose loaded signature exchanges messages of its own waited
+    there for ranks that were in a step's agreement); the allreducer keeps working."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    n = 60
+    ar = _stepped(comm, algorithm, n, 0.1, steps=2, **_load_options(comm, algorithm))
+    state = ar.state_dict()
+    g = grads_for(comm, n, np.float64, seed=71)[comm.rank]
+    with pytest.raises(ValueError, match="ranks disagree on load_state_dict"):
+        if comm.rank == 0:
+            ar.load_state_dict(state)
+        else:
+            ar(g)
+    _still_in_step(comm, ar, state)
+
+
+@pytest.mark.parametrize("algorithm", ["spardl", "oktopk"])
+def test_a_reducer_load_on_one_rank_while_the_others_reduce_fails_everywhere(comm, algorithm):
+    """The same for the PyTorch reducer, whose load checks its allreducer's loaded state."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    model = _model()
+    red = st.SparseGradientReducer(
+        model.parameters(), comm, algorithm, density=0.1, **_load_options(comm, algorithm)
+    )
+    for s in range(2):
+        _backward(model, comm, s)
+        red.reduce()
+    state = red.state_dict()
+    _backward(model, comm, 2)
+    with pytest.raises(ValueError, match="ranks disagree on"):
+        if comm.rank == 0:
+            red.load_state_dict(state)
+        else:
+            red.reduce()
+    assert red.state_dict()["step"] == 2
+    _backward(model, comm, 3)
+    out = red.reduce()
+    assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
+
+
+@pytest.mark.parametrize("algorithm", [*ALGS, "auto"])
+@pytest.mark.parametrize(
+    ("key", "bad", "error", "match"),
+    [
+        ("density", "0.5", TypeError, "state density must be a float"),
+        ("density", None, TypeError, "state density must be a float"),
+        ("density", 1.5, ValueError, r"state density must be in \(0, 1\]"),
+        ("extra", None, TypeError, "state extra must be a dict"),
+        ("extra", [1, 2], TypeError, "state extra must be a dict"),
+    ],
+)
+def test_loaded_density_and_extra_of_the_wrong_kind_fail_everywhere(
+    comm, algorithm, key, bad, error, match
+):
+    """A state whose density is not a number in (0, 1] or whose algorithm part is not a dict,
+    on the last rank: every rank raises, naming the field (a string density once loaded as a
+    number on some algorithms, None an algorithm part on others), and keeps its state."""
+    n = 60
+    ar = _stepped(comm, algorithm, n, 0.1, steps=2)
+    before = ar.state_dict()
+    state = ar.state_dict()
+    if comm.rank == comm.size - 1:
+        state[key] = bad
+    with pytest.raises(error, match=match):  # the other ranks name the last rank's error
+        ar.load_state_dict(state)
+    _still_in_step(comm, ar, before)
