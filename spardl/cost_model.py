@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from ._checks import check_float, check_int
 
@@ -163,12 +164,41 @@ def collective_rounds(kind: str, P: int) -> int:
     )
 
 
+def density_floor(density: float, count: int, divisor: int = 1) -> int:
+    """⌊ρ·count/divisor⌋, exact but for ρ's own rounding to a float.
+
+    The product is exact (ρ's binary value as a fraction); a result within a relative 2⁻⁵² below
+    an integer counts as that integer, since ρ itself may be that much below the decimal it
+    stands for (0.29·100 is 28.999999999999998 in floats, and must give 29). A tolerance
+    relative to the product, never larger, so that k stays ⌊ρ·n⌋ however large n is.
+
+    Parameters
+    ----------
+    density : float
+        ρ, in (0, 1].
+    count, divisor : int
+        count ≥ 0, divisor ≥ 1.
+
+    Returns
+    -------
+    int
+    """
+    x = Fraction(density) * count / divisor
+    up = math.ceil(x)
+    return up if up - x <= up * _RHO_ROUNDING else math.floor(x)
+
+
+#: How far below the decimal it stands for a float ρ may lie, relative (twice its unit roundoff).
+_RHO_ROUNDING = Fraction(1, 2**52)
+
+
 def budget(density: float, n: int) -> int:
-    """k = ⌊ρ·n⌋, at least 1 and at most n (the rule of :func:`spardl.algorithms.base.budget`)."""
+    """k = ⌊ρ·n⌋, at least 1 and at most n (the rule of :func:`spardl.algorithms.base.budget`;
+    :func:`density_floor`)."""
     check_float("density", density, numpy=False)
     if not 0 < density <= 1:
         raise ValueError(f"density must be in (0, 1], got {density}")
-    return int(min(n, max(1, math.floor(density * n * (1 + 1e-9)))))
+    return int(min(n, max(1, density_floor(density, n))))
 
 
 # -- the algorithms ------------------------------------------------------------------------------
@@ -311,7 +341,7 @@ def spardl(
     k_b = budget(rho, C)
     # The owners' start budget, clamped as the implementation does; the whole block when ρ·C
     # covers it (nothing to drop).
-    h = max(min(k_b, max(1, k_b // d)), min(k_b, max(1, math.floor(rho * C / d * (1 + 1e-9)))))
+    h = max(min(k_b, max(1, k_b // d)), min(k_b, max(1, density_floor(rho, C, d))))
     if k_b == C or sag_budget == "max":
         h = k_b
     msgs = 2 * ceil_log2(m) + ceil_log2(d)

@@ -12,6 +12,7 @@ comparison is bitwise.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import naive
 import numpy as np
@@ -25,12 +26,20 @@ def _rounds(m):
     return R
 
 
+def _floor(density, count, divisor=1):
+    """⌊ρ·count/divisor⌋ in exact rationals, a product within ρ's float rounding (relative
+    2⁻⁵²) below an integer being that integer."""
+    x = Fraction(density) * count / divisor
+    up = math.ceil(x)
+    return up if (up - x) * 2**52 <= up else math.floor(x)
+
+
 def _budgets(n, m, d, density, h):
     """The blocks' bounds, their budgets k_b and the owners' pre-SAG budgets h (see
     :func:`spardl_step`)."""
     bounds = naive.uniform_bounds(n, m)
     C = math.ceil(n / m)
-    k_all = min(C, max(1, math.floor(density * C * (1 + 1e-9))))
+    k_all = min(C, max(1, _floor(density, C)))
     kb = [min(int(bounds[q + 1] - bounds[q]), k_all) for q in range(m)]
     if h is None:
         h = [
@@ -38,7 +47,7 @@ def _budgets(n, m, d, density, h):
             if kb[q] == bounds[q + 1] - bounds[q]
             else max(
                 min(kb[q], max(1, kb[q] // d)),
-                min(kb[q], max(1, math.floor(density * C / d * (1 + 1e-9)))),
+                min(kb[q], max(1, _floor(density, C, d))),
             )
             for q in range(m)
         ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from spardl import cost_model as cm
 
@@ -211,3 +213,31 @@ def test_acceptance_bert_base_on_10g_ethernet():
     }
     assert t["spardl"] <= 0.6 * t["oktopk"]
     assert t["spardl"] <= 0.1 * t["dense"]
+
+
+@pytest.mark.parametrize(
+    ("density", "n", "k"),
+    [
+        (0.01, 1000, 10),  # 0.01 is above 1/100 in binary
+        (0.29, 100, 29),  # 0.29 is below 29/100: 28.999999999999998 must count as 29
+        (0.07, 100, 7),
+        (1 / 3, 6, 2),
+        (0.473724, 869_044, 411_686),  # 411686.9998: no rounding up of a real fraction
+        (0.01, 10**11, 10**9),  # large n: the tolerance is relative to ρ, not to ρ·n
+        (0.5, 2 * 10**9, 10**9),
+        (0.01, 10**12, 10**10),
+        (1e-9, 10, 1),  # at least one
+        (1.0, 5, 5),
+    ],
+)
+def test_budget_is_the_floor_of_rho_n_at_every_size(density, n, k):
+    from spardl.algorithms.base import budget
+
+    assert cm.budget(density, n) == budget(density, n) == k
+
+
+@given(st.integers(1, 10**6), st.integers(1, 10**9))
+def test_budget_of_a_decimal_density_is_its_exact_floor(millionths, n):
+    """ρ written with six decimals, as users write it: k = ⌊ρ·n⌋ of the decimal itself, for any
+    n up to 10⁹ (beyond, a float ρ's own rounding can reach a fraction 10⁻⁶ below an integer)."""
+    assert cm.budget(millionths / 10**6, n) == max(1, millionths * n // 10**6)

@@ -24,6 +24,7 @@ import spardl_kernels as K
 from .. import _arrays as A
 from .._checks import check_bool, check_float, check_int
 from ..comm import WIRES, Comm, name_hash, signature_digest, signature_field
+from ..cost_model import density_floor
 from ..dtypes import work_dtype as _work_dtype
 from ..result import SparseResult
 
@@ -53,10 +54,11 @@ def budget(density: float, n: int) -> int:
     Returns
     -------
     int
-        The number of entries to select. A relative tolerance of 1e-9 absorbs the rounding of
-        ρ·n (0.01·1000 must give 10, never 9).
+        The number of entries to select: ρ·n exactly, floored, where a product within ρ's own
+        float rounding (a relative 2⁻⁵²) below an integer is that integer (0.29·100 must give
+        29, never 28; :func:`spardl.cost_model.density_floor`).
     """
-    return int(min(n, max(1, math.floor(density * n * (1 + 1e-9)))))
+    return int(min(n, max(1, density_floor(float(density), n))))
 
 
 @dataclass

@@ -7,8 +7,6 @@ here.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 import spardl_kernels as K
@@ -16,6 +14,7 @@ import spardl_kernels as K
 from .. import _arrays as A
 from .._checks import check_int
 from ..comm import signature_field, wire_index_dtype
+from ..cost_model import density_floor
 from ..schedules import bruck_schedule, srs_schedule
 from ..selection import make_selector
 from .base import Allreducer, Reduced, budget
@@ -160,7 +159,7 @@ class SparDL(Allreducer):
         kb = budget(self.density, self.C)  # max(1, ⌊ρ·C⌋), at most C
         self.k_b = [int(min(length, kb)) for length in lengths]
         kb_own = self.k_b[self.p]
-        h0 = max(1, math.floor(self.density * self.C / self.d * (1 + 1e-9)))
+        h0 = max(1, density_floor(self.density, self.C, self.d))
         self.h_min = min(kb_own, max(1, kb_own // self.d))
         if kb_own == lengths[self.p]:
             # ρ·C covers the whole block: nothing is to be dropped, so the owners send it all
