@@ -485,19 +485,36 @@ def _raise_after_backward(err: BaseException) -> None:
         raise err from None
 
 
-def _step_control(ctl: Comm, err, local: np.ndarray, what: str, *more: int) -> np.ndarray:
+def _step_control(
+    ctl: Comm, err, local: np.ndarray, check: bool, what: str, *more: int
+) -> np.ndarray:
     """The control allreduce that starts a step: ``local`` summed over the ranks (from entry 1
-    on, which parameters some rank used; entry 0 is unused), after every rank agrees that it
-    passed its own checks (``err`` is None) and is in the same step (``what``, ``more`` and
-    the number of parameters). The agreement comes first, in the fixed size of every
-    agreement (:func:`collective_check`): a rank that is elsewhere on the control communicator
-    (loading a state while the others step, say) makes every rank raise, where a sum of
-    another size ended in a truncated message, or summed unrelated numbers. Raises ``err`` on
-    its rank and the same type, naming that rank, on the others."""
-    collective_check(
-        ctl, err, [name_hash(what), *more, len(local)], {what: [*more, len(local) - 1]}
-    )
-    return ctl.allreduce(local)
+    on, which parameters some rank used), raising ``err`` on its rank and the same type,
+    naming that rank, on the others.
+
+    With ``check`` (the allreducers' ``check`` option, on by default), every rank first agrees
+    that it passed its own checks and is in the same step (``what``, ``more`` and the number of
+    parameters), in the fixed size of every agreement (:func:`collective_check`): a rank that
+    is elsewhere on the control communicator (loading a state while the others step, say) then
+    makes every rank raise, where a sum of another size ended in a truncated message or summed
+    unrelated numbers. Without it, one allreduce: entry 0 counts the ranks that failed, and a
+    mismatched call may hang, as with plain MPI."""
+    if check:
+        collective_check(
+            ctl, err, [name_hash(what), *more, len(local)], {what: [*more, len(local) - 1]}
+        )
+        return ctl.allreduce(local)
+    local[0] = err is not None
+    total = ctl.allreduce(local)
+    if total[0]:
+        reports = ctl.allgather_object(None if err is None else (type(err).__name__, str(err)))
+        if err is not None:
+            raise err
+        r, (kind, msg) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
+        raise (TypeError if kind == "TypeError" else ValueError)(
+            f"rank {r} rejected its arguments ({kind}: {msg})"
+        )
+    return total
 
 
 class _Core:
@@ -1083,7 +1100,9 @@ class _Buckets:
                 self.checked = True
             local = np.zeros(1 + len(keys), dtype=np.int64)
             local[1:] = used
-            total = _step_control(self.ctl, err, local, "reduce_bucket", index)
+            total = _step_control(
+                self.ctl, err, local, self.options.get("check", True), "reduce_bucket", index
+            )
             core = self._core_for(index, keys, numels, buf)
             o = core.offsets
             with torch.no_grad():
@@ -1654,7 +1673,9 @@ class SparseHookState(_Front):
         if core.keys is None:
             first = self._first_layout(params, inflight)
         local, err = self._copy_in(seen, first, err)
-        total = _step_control(core.ctl, err, local, "hook iteration")
+        total = _step_control(
+            core.ctl, err, local, core.options.get("check", True), "hook iteration"
+        )
         o = core.offsets
         core.run([(o[i], o[i + 1]) for i in range(len(core.keys)) if total[1 + i] == 0])
         with torch.no_grad():
@@ -1959,7 +1980,7 @@ class SparseGradientReducer(_Front):
                 else:
                     flat[o[i] : o[i + 1]].copy_(g.reshape(-1))
                     local[1 + i] = 1
-            total = _step_control(core.ctl, err, local, "reduce")
+            total = _step_control(core.ctl, err, local, core.options.get("check", True), "reduce")
             used = total[1:] > 0
             out = core.run([(o[i], o[i + 1]) for i in np.flatnonzero(~used)])
             for i, p in enumerate(self.params):

@@ -160,3 +160,22 @@ def test_numpy_and_python_option_values_of_the_same_value_agree(comm):
     if P > 1:
         with pytest.raises(ValueError, match="ranks disagree on options"):
             spardl.make("oktopk", comm, 64, density=0.1, region_interval=np.int64(3 if last else 4))
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_bad_gradient_on_one_rank_fails_everywhere_with_and_without_check(comm, check):
+    """The reducer's step control: a sparse gradient on the last rank raises on every rank,
+    naming the parameter, with the agreement (``check=True``) and with the single
+    control sum of ``check=False``; the next step runs on every rank."""
+    model = _model()
+    red = st.SparseGradientReducer(model.parameters(), comm, density=0.25, check=check)
+    torch.manual_seed(RANK)
+    model(torch.randn(3, 8)).sum().backward()
+    good = model[0].weight.grad
+    if RANK == P - 1:
+        model[0].weight.grad = good.to_sparse()
+    with pytest.raises(TypeError, match=r"parameter 0 has a sparse gradient"):
+        red.reduce()
+    model[0].weight.grad = good
+    out = red.reduce()
+    assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
