@@ -66,6 +66,17 @@ CONFIGS = {
         "1024",
     ],
     "topka-mc": ["--algorithm", "topka", "--momentum-correction"],
+    # The same techniques with d = 4 teams: the language model's best SparDL setting.
+    "spardl-d4-mcw-dn": [
+        "--algorithm",
+        "spardl",
+        "--teams",
+        "4",
+        "--momentum-correction",
+        "@warmup",
+        "--dense-numel",
+        "1024",
+    ],
 }
 
 
