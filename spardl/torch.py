@@ -14,6 +14,7 @@ Importing this module imports torch; ``import spardl`` alone does not.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's return annotation as an object.
+import copy
 import functools
 import os
 import queue
@@ -27,7 +28,7 @@ from . import _arrays as A
 from . import make
 from ._checks import check_bool, check_float, check_int
 from .algorithms.base import agree_on_load, collective_check
-from .comm import Comm, name_hash
+from .comm import Comm, name_hash, new_stats
 
 __all__ = [
     "SparseGradientReducer",
@@ -463,6 +464,58 @@ def _checked_state(state, algorithm: str) -> dict:
     return state
 
 
+def _count(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
+
+
+def _loaded_stats(saved, live: dict) -> dict:
+    """A state's saved message counters (``stats``) as the live ones (``live``) take them.
+
+    Over the live keys, their counters at zero (a state without ``stats``, or None, starts
+    them at zero; a counter it lacks, such as the ``steps`` an allreducer adds, starts at
+    zero), and every counter the messages count must be a non-negative integer, ``phases`` a
+    dict of such per-phase counters: checked before anything is loaded, so a bad one on any
+    rank fails the load on every rank instead of the next message's count on that rank alone.
+
+    Raises
+    ------
+    TypeError
+        If ``saved`` is not a dict (or None), or one of those counters is not a non-negative
+        integer, naming it.
+    """
+    base = {
+        k: 0 if _count(v) else {} if k == "phases" else copy.deepcopy(v) for k, v in live.items()
+    }
+    for k, v in new_stats().items():
+        base.setdefault(k, v)
+    if saved is None:
+        return base
+    if not isinstance(saved, dict):
+        raise TypeError(f"state stats must be a dict, got {type(saved).__name__}")
+    out = {**base, **copy.deepcopy(saved)}
+    for key, value in out.items():
+        if key == "phases":
+            if not isinstance(value, dict) or not all(
+                isinstance(ph, dict)
+                and all(_count(ph.get(c)) for c in ("messages", "bytes_sent", "bytes_received"))
+                for ph in value.values()
+            ):
+                raise TypeError(
+                    "state stats['phases'] must map each phase to its non-negative integer "
+                    f"messages, bytes_sent and bytes_received, got {value!r}"
+                )
+        elif (key in _COUNTERS or _count(base.get(key))) and not _count(value):
+            raise TypeError(f"state stats[{key!r}] must be a non-negative integer, got {value!r}")
+    return out
+
+
+#: The counters of ``stats`` that the messages and the allreducers' steps count (``+= 1``).
+_COUNTERS = frozenset(
+    {"messages", "bytes_sent", "bytes_received", "control_messages", "steps", "skipped_steps"}
+    | {"selected", "dense_regions"}
+)
+
+
 def _raise_after_backward(err: BaseException) -> None:
     """Raise ``err`` from the running backward pass once DDP has finished it, or at once
     outside a backward pass (a direct call of the hook).
@@ -871,8 +924,6 @@ class _Core:
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        import copy
-
         keys, numels = self.keys, self.numels
         allreducer = None if self.sparse is None else self.sparse.state_dict()
         if self.sparse is None and self.pending is not None:
@@ -899,8 +950,6 @@ class _Core:
         """Collective, all or nothing on every rank: a state invalid on any rank raises on every
         rank and leaves every rank's state (step, counters, velocities, the allreducer's state)
         as it was."""
-        import copy
-
         saved = (
             self.step,
             self.velocity,
@@ -961,6 +1010,7 @@ class _Core:
                 "None here"
             )
         step = int(state["step"])
+        stats = _loaded_stats(state.get("stats"), self.stats)
         if self.sparse is not None:
             self._apply(state)  # local and all or nothing; may raise before anything changed
         else:
@@ -969,7 +1019,7 @@ class _Core:
         self.velocity = None
         self.pending_velocity = dict(velocity) if velocity else None
         self.stats.clear()
-        self.stats.update(state.get("stats") or {})
+        self.stats.update(stats)
 
     def _apply(self, state: dict) -> None:
         """Load a saved state into the sparse allreducer. Same parameters in the same layout:
@@ -1181,8 +1231,6 @@ class _Buckets:
         return {}  # momentum_correction is not available in overlap mode
 
     def state_dict(self) -> dict:
-        import copy
-
         self.drain()
         buckets = [
             {"keys": c.keys, "numels": c.numels, "allreducer": c.sparse.state_dict()}
@@ -1264,7 +1312,13 @@ class _Buckets:
                 full[(tuple(b["keys"]), tuple(b["numels"]))] = b["allreducer"]
             carry = _by_key(keys, numels, saved.get("residual"), copy=True)
             carry_step = int(saved.get("step", 0))
-        return int(state["step"]), dict(state.get("stats") or {}), full, carry, carry_step
+        return (
+            int(state["step"]),
+            _loaded_stats(state.get("stats"), self.stats),
+            full,
+            carry,
+            carry_step,
+        )
 
 
 def _by_key(keys, numels, residual, copy=False) -> dict:

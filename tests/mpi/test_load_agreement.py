@@ -375,3 +375,36 @@ def test_loaded_density_and_extra_of_the_wrong_kind_fail_everywhere(
     with pytest.raises(error, match=match):  # the other ranks name the last rank's error
         ar.load_state_dict(state)
     _still_in_step(comm, ar, before)
+
+
+@pytest.mark.parametrize("algorithm", ["spardl", "topka", "auto"])
+@pytest.mark.parametrize("bad", ["missing", None, [1, 2], {"messages": -1}, {"phases": {"x": 1}}])
+def test_reducer_states_with_missing_or_bad_stats(comm, algorithm, bad):
+    """The saved message counters on the last rank: missing or None start at zero (and the
+    counters an allreducer adds, ``steps`` among them, keep counting); anything else that is not
+    a dict of non-negative counters raises at the load on every rank. Either way the next steps
+    run on every rank (a counter the state lacked once failed the next message on that rank
+    alone, and with SparDL's teams inside the load itself)."""
+    model = _model()
+    opts = _load_options(comm, algorithm)
+    red = st.SparseGradientReducer(model.parameters(), comm, algorithm, density=0.1, **opts)
+    for s in range(2):
+        _backward(model, comm, s)
+        red.reduce()
+    state = red.state_dict()
+    if comm.rank == comm.size - 1:
+        if bad == "missing":
+            del state["stats"]
+        else:
+            state["stats"] = bad
+    if bad in ("missing", None):
+        red.load_state_dict(state)
+    else:
+        with pytest.raises(TypeError, match="state stats"):
+            red.load_state_dict(state)
+    for s in range(2, 4):
+        _backward(model, comm, s)
+        out = red.reduce()
+        assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
+    assert red.state_dict()["step"] == 4
+    assert red.stats["steps"] >= 2
