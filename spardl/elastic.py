@@ -466,6 +466,27 @@ def _load(obj, states, world_size, err) -> None:
         raise
 
 
+def _agree_on_save(comm: Comm, obj, what: str, root) -> None:
+    """The collective check that starts a save or a gather: every rank is in the same one,
+    with the same valid root (None: every rank), so a rank that is elsewhere (stepping, say)
+    makes every rank raise instead of leaving the root waiting for its state."""
+    err = None
+    try:
+        if root is not None:
+            check_int("root", root)
+            if not 0 <= root < comm.size:
+                raise ValueError(f"root must be in [0, {comm.size}), got {root}")
+    except (TypeError, ValueError) as e:
+        err = e
+    field = -1 if root is None or err is not None else int(root)
+    collective_check(
+        comm,
+        err,
+        [name_hash(f"spardl.elastic.{what}"), field],
+        {what: _algorithm(obj), "root": field},
+    )
+
+
 def gather_state(obj, root: int | None = 0) -> dict | None:
     """Every rank's state, gathered: what :func:`load_gathered_state` loads at any world size.
 
@@ -490,9 +511,13 @@ def gather_state(obj, root: int | None = 0) -> dict | None:
     ------
     TypeError
         If ``obj`` is not one of the three kinds (on this rank, before any message).
+    ValueError, TypeError
+        On every rank, if ``root`` is neither None nor a rank, or the ranks are not all in
+        this gather with the same root.
     """
     _kind(obj)
     comm = _control(obj)
+    _agree_on_save(comm, obj, "gather_state", root)
     state = _local_state(obj)
     if root is None:
         states = comm.allgather_object(state, control=False)
@@ -652,6 +677,9 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
         file there is kept).
     TypeError
         If ``obj`` is not one of the three kinds (on this rank, before any message).
+    ValueError, TypeError
+        On every rank, if ``root`` is not a rank, or the ranks are not all in this save with
+        the same root (one stepping while the others save, say).
 
     Notes
     -----
@@ -662,6 +690,7 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
     """
     _kind(obj)
     comm = _control(obj)
+    _agree_on_save(comm, obj, "save_checkpoint", root)
     state = _local_state(obj)
     err = None
     if comm.rank == root:

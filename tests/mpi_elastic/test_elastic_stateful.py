@@ -386,3 +386,31 @@ def test_teams_that_do_not_divide_the_new_world_are_named():
             spardl.make("spardl", sub, 24, teams=2)
         sub.Free()
     WORLD.Barrier()
+
+
+def test_a_save_or_gather_on_one_rank_while_the_others_step_fails_everywhere():
+    """save_checkpoint and gather_state start with a collective check: a rank that is stepping
+    meanwhile (it once left the root waiting for its state) and a root that is not a rank
+    raise on every rank; the allreducer keeps working."""
+    ar = spardl.make("spardl", WORLD, 24, density=0.2, teams=W)
+    g = np.arange(24, dtype=np.float32) * (ME + 1)
+    ar(g)
+    path = os.path.join(DIR, "mismatched.zip")
+    for save in (
+        lambda: elastic.save_checkpoint(ar, path),
+        lambda: elastic.gather_state(ar),
+        lambda: elastic.gather_state(ar, root=None),
+    ):
+        if W > 1:
+            with pytest.raises(ValueError, match="ranks disagree"):
+                if ME == W - 1:
+                    ar(g)
+                else:
+                    save()
+        with pytest.raises(ValueError, match=r"root must be in \[0,"):
+            elastic.save_checkpoint(ar, path, root=W if ME == 0 else 0)
+        assert ar.step == 1
+    assert_identical_everywhere(WORLD, ar(g))
+    assert not os.path.exists(path)
+    _free(ar)
+    WORLD.Barrier()
