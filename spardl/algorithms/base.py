@@ -54,9 +54,9 @@ def budget(density: float, n: int) -> int:
     Returns
     -------
     int
-        The number of entries to select: ρ·n exactly, floored, where a product within ρ's own
-        float rounding (a relative 2⁻⁵²) below an integer is that integer (0.29·100 must give
-        29, never 28; :func:`spardl.cost_model.density_floor`).
+        The number of entries to select: ρ·n exactly, floored, with ρ read as the decimal it
+        was written as (0.29·100 gives 29, never 28) or, for a ratio, as the ratio (2/3 of 3
+        gives 2; :func:`spardl.cost_model.density_floor`).
     """
     return int(min(n, max(1, density_floor(float(density), n))))
 
@@ -919,9 +919,10 @@ def collective_check(comm: Comm, err, signature, described) -> None:
         exc = TypeError if kind == "TypeError" else ValueError
         raise exc(f"rank {r} rejected its arguments ({kind}: {msg})")
     descs = [rep[1] for rep in reports]
+    keys = dict.fromkeys(key for d in descs for key in d)  # every rank's, so each call is named
     diffs = [
         f"{key}: " + ", ".join(f"rank {r}={d.get(key)!r}" for r, d in enumerate(descs))
-        for key in descs[0]
+        for key in keys
         if any(repr(d.get(key)) != repr(descs[0].get(key)) for d in descs)
     ]
     raise ValueError("ranks disagree on " + "; ".join(diffs or ["the call sequence"]))
