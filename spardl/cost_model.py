@@ -165,17 +165,18 @@ def collective_rounds(kind: str, P: int) -> int:
 
 
 def density_floor(density: float, count: int, divisor: int = 1) -> int:
-    """⌊ρ·count/divisor⌋, exact but for ρ's own rounding to a float.
+    """⌊ρ·count/divisor⌋, with ρ read as the decimal it was written as.
 
-    The product is exact (ρ's binary value as a fraction); a result within a relative 2⁻⁵² below
-    an integer counts as that integer, since ρ itself may be that much below the decimal it
-    stands for (0.29·100 is 28.999999999999998 in floats, and must give 29). A tolerance
-    relative to the product, never larger, so that k stays ⌊ρ·n⌋ however large n is.
+    A float ρ stands for the shortest decimal that rounds to it (what ``repr`` prints: 0.29,
+    whose binary value is 0.28999999999999998), and the product with that decimal is exact:
+    0.29·100 gives 29, 0.882037037·5000027 gives 4410208 (4410208.999999999), at any size. A
+    density computed as a ratio counts as the ratio: when m = ⌊…⌋ + 1 has m·divisor/count
+    rounding to ρ itself (2/3 of 3 entries, whose decimal 0.6666666666666666 falls short), m.
 
     Parameters
     ----------
     density : float
-        ρ, in (0, 1].
+        ρ, in (0, 1] (a NumPy float is read as a Python float).
     count, divisor : int
         count ≥ 0, divisor ≥ 1.
 
@@ -183,19 +184,18 @@ def density_floor(density: float, count: int, divisor: int = 1) -> int:
     -------
     int
     """
-    x = Fraction(density) * count / divisor
-    up = math.ceil(x)
-    return up if up - x <= up * _RHO_ROUNDING else math.floor(x)
-
-
-#: How far below the decimal it stands for a float ρ may lie, relative (twice its unit roundoff).
-_RHO_ROUNDING = Fraction(1, 2**52)
+    rho = float(density)
+    x = Fraction(repr(rho)) * count / divisor
+    k = math.floor(x)
+    if k < x and count and float(Fraction((k + 1) * divisor, count)) == rho:
+        return k + 1
+    return k
 
 
 def budget(density: float, n: int) -> int:
     """k = ⌊ρ·n⌋, at least 1 and at most n (the rule of :func:`spardl.algorithms.base.budget`;
     :func:`density_floor`)."""
-    check_float("density", density, numpy=False)
+    check_float("density", density)
     if not 0 < density <= 1:
         raise ValueError(f"density must be in (0, 1], got {density}")
     return int(min(n, max(1, density_floor(density, n))))

@@ -27,11 +27,13 @@ def _rounds(m):
 
 
 def _floor(density, count, divisor=1):
-    """⌊ρ·count/divisor⌋ in exact rationals, a product within ρ's float rounding (relative
-    2⁻⁵²) below an integer being that integer."""
-    x = Fraction(density) * count / divisor
-    up = math.ceil(x)
-    return up if (up - x) * 2**52 <= up else math.floor(x)
+    """⌊ρ·count/divisor⌋ with ρ as the decimal Python prints for it (exact), or one more
+    where that ratio, (⌊…⌋ + 1)·divisor/count, rounds to ρ itself."""
+    x = Fraction(repr(float(density))) * count / divisor
+    k = math.floor(x)
+    if k < x and float(Fraction((k + 1) * divisor, count)) == float(density):
+        return k + 1
+    return k
 
 
 def _budgets(n, m, d, density, h):

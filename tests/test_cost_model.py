@@ -228,6 +228,10 @@ def test_acceptance_bert_base_on_10g_ethernet():
         (0.01, 10**12, 10**10),
         (1e-9, 10, 1),  # at least one
         (1.0, 5, 5),
+        (2 / 3, 3, 2),  # a ratio: 0.6666666666666666·3 falls short of 2, and 2/3 is ρ itself
+        (0.882037037, 5_000_027, 4_410_208),  # 4410208.999999999: no tolerance on ρ·n
+        (0.999, 999_999_999_999_100, 998_999_999_999_100),
+        (0.9999999999999999, 10**15, 10**15 - 1),
     ],
 )
 def test_budget_is_the_floor_of_rho_n_at_every_size(density, n, k):
@@ -236,8 +240,18 @@ def test_budget_is_the_floor_of_rho_n_at_every_size(density, n, k):
     assert cm.budget(density, n) == budget(density, n) == k
 
 
-@given(st.integers(1, 10**6), st.integers(1, 10**9))
-def test_budget_of_a_decimal_density_is_its_exact_floor(millionths, n):
-    """ρ written with six decimals, as users write it: k = ⌊ρ·n⌋ of the decimal itself, for any
-    n up to 10⁹ (beyond, a float ρ's own rounding can reach a fraction 10⁻⁶ below an integer)."""
-    assert cm.budget(millionths / 10**6, n) == max(1, millionths * n // 10**6)
+@given(st.integers(1, 10**9), st.integers(1, 10**15))
+def test_budget_of_a_decimal_density_is_its_exact_floor(billionths, n):
+    """ρ written with up to nine decimals, as users write it: k = ⌊ρ·n⌋ of the decimal
+    itself, for any n up to 10¹⁵ (unless that ρ is also the float of (k + 1)/n: then the
+    float cannot tell the two apart, and the ratio's k + 1 is taken)."""
+    k = max(1, billionths * n // 10**9)
+    got = cm.budget(billionths / 10**9, n)
+    assert got == k or (got == k + 1 and (k + 1) / n == billionths / 10**9)
+
+
+@given(st.integers(1, 10**6), st.integers(1, 10**6))
+def test_budget_of_a_ratio_is_its_numerator(m, n):
+    """ρ = m/n computed in floats gives back k = m entries of n."""
+    if m <= n:
+        assert cm.budget(m / n, n) == m
