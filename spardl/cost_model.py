@@ -196,7 +196,7 @@ def budget(density: float, n: int) -> int:
     """k = ⌊ρ·n⌋, at least 1 and at most n (the rule of :func:`spardl.algorithms.base.budget`;
     :func:`density_floor`)."""
     check_float("density", density)
-    if not 0 < density <= 1:
+    if not 0 < float(density) <= 1:
         raise ValueError(f"density must be in (0, 1], got {density}")
     return int(min(n, max(1, density_floor(density, n))))
 

@@ -466,13 +466,14 @@ def _load(obj, states, world_size, err) -> None:
         raise
 
 
-def _agree_on_save(comm: Comm, obj, what: str, root) -> None:
+def _agree_on_save(comm: Comm, obj, what: str, root, none: bool) -> None:
     """The collective check that starts a save or a gather: every rank is in the same one,
-    with the same valid root (None: every rank), so a rank that is elsewhere (stepping, say)
-    makes every rank raise instead of leaving the root waiting for its state."""
+    with the same valid root (None, where ``none``: every rank), so a rank that is elsewhere
+    (stepping, say) makes every rank raise instead of leaving the root waiting for its
+    state."""
     err = None
     try:
-        if root is not None:
+        if root is not None or not none:
             check_int("root", root)
             if not 0 <= root < comm.size:
                 raise ValueError(f"root must be in [0, {comm.size}), got {root}")
@@ -483,7 +484,7 @@ def _agree_on_save(comm: Comm, obj, what: str, root) -> None:
         comm,
         err,
         [name_hash(f"spardl.elastic.{what}"), field],
-        {what: _algorithm(obj), "root": field},
+        {what: _algorithm(obj), "root": None if err is not None else root},
     )
 
 
@@ -517,7 +518,7 @@ def gather_state(obj, root: int | None = 0) -> dict | None:
     """
     _kind(obj)
     comm = _control(obj)
-    _agree_on_save(comm, obj, "gather_state", root)
+    _agree_on_save(comm, obj, "gather_state", root, none=True)
     state = _local_state(obj)
     if root is None:
         states = comm.allgather_object(state, control=False)
@@ -690,7 +691,7 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
     """
     _kind(obj)
     comm = _control(obj)
-    _agree_on_save(comm, obj, "save_checkpoint", root)
+    _agree_on_save(comm, obj, "save_checkpoint", root, none=False)
     state = _local_state(obj)
     err = None
     if comm.rank == root:

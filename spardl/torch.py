@@ -16,6 +16,7 @@ Importing this module imports torch; ``import spardl`` alone does not.
 # No `from __future__ import annotations`: DDP checks the hook's return annotation as an object.
 import copy
 import functools
+import math
 import os
 import queue
 import socket
@@ -504,8 +505,20 @@ def _loaded_stats(saved, live: dict) -> dict:
                     "state stats['phases'] must map each phase to its non-negative integer "
                     f"messages, bytes_sent and bytes_received, got {value!r}"
                 )
-        elif (key in _COUNTERS or _count(base.get(key))) and not _count(value):
-            raise TypeError(f"state stats[{key!r}] must be a non-negative integer, got {value!r}")
+            # Python integers: a NumPy one of a narrow type would wrap or overflow later.
+            out[key] = {name: {c: int(v) for c, v in ph.items()} for name, ph in value.items()}
+        elif key in _COUNTERS or _count(base.get(key)):
+            if not _count(value):
+                raise TypeError(
+                    f"state stats[{key!r}] must be a non-negative integer, got {value!r}"
+                )
+            out[key] = int(value)
+        elif key in _SUMS or isinstance(base.get(key), float):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+                raise TypeError(f"state stats[{key!r}] must be a real number, got {value!r}")
+            if not math.isfinite(float(value)):
+                raise TypeError(f"state stats[{key!r}] must be finite, got {value!r}")
+            out[key] = float(value)
     return out
 
 
@@ -514,6 +527,8 @@ _COUNTERS = frozenset(
     {"messages", "bytes_sent", "bytes_received", "control_messages", "steps", "skipped_steps"}
     | {"selected", "dense_regions"}
 )
+#: The real-valued sums of ``stats`` that the allreducers' steps add to (``+=``).
+_SUMS = frozenset({"dropped_mass"})
 
 
 def _raise_after_backward(err: BaseException) -> None:

@@ -255,3 +255,16 @@ def test_budget_of_a_ratio_is_its_numerator(m, n):
     """ρ = m/n computed in floats gives back k = m entries of n."""
     if m <= n:
         assert cm.budget(m / n, n) == m
+
+
+@pytest.mark.parametrize(
+    ("density", "error"),
+    [(math.nan, ValueError), (1.5, ValueError), (-1.0, ValueError), ("0.1", TypeError)],
+)
+def test_the_allreducers_budget_checks_its_density(density, error):
+    """``spardl.algorithms.budget`` is public: a density that is not a real number in (0, 1]
+    raises naming it (NaN once gave "Invalid literal for Fraction")."""
+    from spardl.algorithms.base import budget
+
+    with pytest.raises(error, match="density"):
+        budget(density, 100)

@@ -24,7 +24,7 @@ import spardl_kernels as K
 from .. import _arrays as A
 from .._checks import check_bool, check_float, check_int
 from ..comm import WIRES, Comm, name_hash, signature_digest, signature_field
-from ..cost_model import density_floor
+from ..cost_model import budget as cost_budget
 from ..dtypes import work_dtype as _work_dtype
 from ..result import SparseResult
 
@@ -57,8 +57,13 @@ def budget(density: float, n: int) -> int:
         The number of entries to select: ρ·n exactly, floored, with ρ read as the decimal it
         was written as (0.29·100 gives 29, never 28) or, for a ratio, as the ratio (2/3 of 3
         gives 2; :func:`spardl.cost_model.density_floor`).
+
+    Raises
+    ------
+    TypeError, ValueError
+        If ``density`` is not a real number in (0, 1] (:func:`spardl.cost_model.budget`).
     """
-    return int(min(n, max(1, density_floor(float(density), n))))
+    return cost_budget(density, n)
 
 
 @dataclass

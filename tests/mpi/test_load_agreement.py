@@ -378,7 +378,18 @@ def test_loaded_density_and_extra_of_the_wrong_kind_fail_everywhere(
 
 
 @pytest.mark.parametrize("algorithm", ["spardl", "topka", "auto"])
-@pytest.mark.parametrize("bad", ["missing", None, [1, 2], {"messages": -1}, {"phases": {"x": 1}}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "missing",
+        None,
+        "narrow",  # a NumPy uint8 counter: loaded as a Python int (it overflowed a later count)
+        [1, 2],
+        {"messages": -1},
+        {"phases": {"x": 1}},
+        {"dropped_mass": "x"},  # a sum a step adds to (gTop-k's), not a number
+    ],
+)
 def test_reducer_states_with_missing_or_bad_stats(comm, algorithm, bad):
     """The saved message counters on the last rank: missing or None start at zero (and the
     counters an allreducer adds, ``steps`` among them, keep counting); anything else that is not
@@ -395,9 +406,11 @@ def test_reducer_states_with_missing_or_bad_stats(comm, algorithm, bad):
     if comm.rank == comm.size - 1:
         if bad == "missing":
             del state["stats"]
+        elif bad == "narrow":
+            state["stats"]["bytes_sent"] = np.uint8(250)
         else:
             state["stats"] = bad
-    if bad in ("missing", None):
+    if bad in ("missing", None, "narrow"):
         red.load_state_dict(state)
     else:
         with pytest.raises(TypeError, match="state stats"):

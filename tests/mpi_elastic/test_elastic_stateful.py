@@ -409,6 +409,8 @@ def test_a_save_or_gather_on_one_rank_while_the_others_step_fails_everywhere():
                     save()
         with pytest.raises(ValueError, match=r"root must be in \[0,"):
             elastic.save_checkpoint(ar, path, root=W if ME == 0 else 0)
+        with pytest.raises(TypeError, match="root must be an integer"):
+            elastic.save_checkpoint(ar, path, root=None)  # gather_state's "every rank" only
         assert ar.step == 1
     assert_identical_everywhere(WORLD, ar(g))
     assert not os.path.exists(path)
