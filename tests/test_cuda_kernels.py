@@ -15,7 +15,6 @@ import math
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ if not (SIM or cuda.is_available()):
     )
 
 import naive  # noqa: E402
-from cudasim_launch import use_small_launches  # noqa: E402
+from cudasim_launch import atomic_shared_arrays, use_small_launches  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from numba import int64  # noqa: E402
@@ -50,58 +49,13 @@ BITS = {
 }
 
 
-def _atomic_simulator_shared_arrays():
-    """Make the simulator's ``cuda.shared.array`` allocation atomic; returns an undo function.
-
-    The simulator (numba-cuda 0.30) gives each call site one array per launch with an unlocked
-    check-then-insert (``_allocations.get(site)``, then ``np.empty`` and a store). When the GIL
-    switches between the two, two threads of a block each create an array: the earlier one keeps
-    a private, uninitialised "shared" array nobody else sees, and the kernel computes garbage
-    (wrong scan offsets, histograms, positions). A simulator artefact, not a race of the kernels
-    (on a GPU a block has one shared array per declaration); at the 5 ms default switch interval
-    it is rare, at the 1 us used here it breaks a launch now and then (more often on a loaded
-    machine). Same key (file and line of the caller) as the simulator.
-    """
-    from numba.cuda.simulator import kernelapi
-
-    shared = getattr(kernelapi, "FakeCUDAShared", None)
-    if shared is None or not hasattr(shared, "array"):
-        return lambda: None
-    original = shared.array
-    lock = threading.Lock()
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:  # dynamic shared memory: no allocation race
-            return original(self, shape, dtype, alignment)
-        caller = sys._getframe(1)
-        site = (caller.f_code.co_filename, caller.f_lineno)
-        with lock:
-            res = self._allocations.get(site)
-            if res is None:
-                res = np.empty(
-                    shape,
-                    kernelapi.numpy_support.as_dtype(dtype)
-                    if isinstance(dtype, kernelapi.types.Type)
-                    else dtype,
-                )
-                self._allocations[site] = res
-        return res
-
-    shared.array = array
-
-    def undo():
-        shared.array = original
-
-    return undo
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _fast_simulator_threads():
     # The simulator runs each CUDA thread as a Python thread; the default 5 ms GIL switch
     # interval makes every syncthreads() wait for a full round of time slices. At 1 us the
-    # simulator's unlocked shared-array allocation races (see _atomic_simulator_shared_arrays).
+    # simulator's unlocked shared-array allocation races (see atomic_shared_arrays).
     old = sys.getswitchinterval()
-    undo = _atomic_simulator_shared_arrays() if SIM else (lambda: None)
+    undo = atomic_shared_arrays() if SIM else (lambda: None)
     sys.setswitchinterval(1e-6)
     yield
     sys.setswitchinterval(old)

@@ -32,10 +32,9 @@ N = 42  # uneven blocks at P = 4 (tests/test_gpu_pipeline.py runs P = 1, 2, 4)
 STEPS = 2
 
 
-# The GIL switch interval is left at its default: with the 1e-6 s that tests/test_cuda_kernels.py
-# uses for speed, kernels intermittently produced garbage positions when several simulated ranks
-# shared the two cores (a timing race of the simulator's syncthreads polling, not of the code
-# under test); at the default interval every run was clean.
+# The simulator's shared-array allocation is made atomic for every test here (conftest.py): its
+# race gave a kernel garbage on one rank now and then (wrong positions, a residual entry zeroed)
+# when the simulated ranks shared the cores with other tests. Not a race of the kernels.
 
 
 @pytest.fixture(autouse=True)
