@@ -3,14 +3,17 @@
 
 ``bool`` is a subclass of ``int`` in Python, so ``teams=True`` would pass a plain
 ``isinstance(v, int)``; every check here rejects it. Range checks stay with their callers, which
-know the range and word it.
+know the range and word it, except the density's (ρ in (0, 1]), which every allreducer, its
+loaded states and the cost model share.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-__all__ = ["check_int", "check_float", "check_bool", "type_name"]
+__all__ = ["check_int", "check_float", "check_bool", "check_density", "is_count", "type_name"]
 
 
 def type_name(value) -> str:
@@ -34,6 +37,12 @@ def check_bool(name: str, value):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type_name(value)}")
     return value
+
+
+def is_count(value) -> bool:
+    """Whether ``value`` is a non-negative integer (a Python or NumPy one, never a bool): the
+    predicate of :func:`check_int` with the range of a counter."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
 
 
 def check_int(name: str, value, *, numpy: bool = True):
@@ -68,3 +77,26 @@ def check_float(name: str, value, *, numpy: bool = True, or_none: bool = False):
         what = "a float or None" if or_none else "a float"
         raise TypeError(f"{name} must be {what}, got {type_name(value)}")
     return value
+
+
+def check_density(name: str, value, *, numpy: bool = True) -> float:
+    """``value`` as the Python float it is stored as, when that is a density ρ in (0, 1].
+
+    The range is checked on that float, not on ``value`` in its own precision: a NumPy
+    longdouble of 1e-4000 is in range but stored as 0.0, and is rejected.
+
+    Raises
+    ------
+    TypeError
+        ``"{name} must be a float, got {type}"`` (:func:`check_float`).
+    ValueError
+        ``"{name} must be in (0, 1], got {value}"``, NaN included.
+    """
+    check_float(name, value, numpy=numpy)
+    try:
+        rho = float(value)
+    except OverflowError:  # an integer too large for a float is out of range anyway
+        rho = math.inf
+    if not 0 < rho <= 1:  # NaN fails every comparison
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+    return rho

@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ._checks import check_float, check_int
+from ._checks import check_density, check_int
 
 __all__ = [
     "Cost",
@@ -195,10 +195,8 @@ def density_floor(density: float, count: int, divisor: int = 1) -> int:
 def budget(density: float, n: int) -> int:
     """k = ⌊ρ·n⌋, at least 1 and at most n (the rule of :func:`spardl.algorithms.base.budget`;
     :func:`density_floor`)."""
-    check_float("density", density)
-    if not 0 < float(density) <= 1:
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    return int(min(n, max(1, density_floor(density, n))))
+    rho = check_density("density", density)
+    return int(min(n, max(1, density_floor(rho, n))))
 
 
 # -- the algorithms ------------------------------------------------------------------------------

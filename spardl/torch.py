@@ -27,8 +27,8 @@ import torch
 
 from . import _arrays as A
 from . import make
-from ._checks import check_bool, check_float, check_int
-from .algorithms.base import agree_on_load, collective_check
+from ._checks import check_bool, check_density, check_float, check_int, is_count
+from .algorithms.base import agree_on_load, collective_check, error_report, raise_rejected
 from .comm import Comm, name_hash, new_stats
 
 __all__ = [
@@ -202,9 +202,7 @@ class _Techniques:
         w = check_int("density_warmup", density_warmup)
         if w < 0:
             raise ValueError(f"density_warmup must be >= 0, got {w}")
-        r0 = check_float("warmup_density", 0.25 if warmup_density is None else warmup_density)
-        if not 0 < r0 <= 1:
-            raise ValueError(f"warmup_density must be in (0, 1], got {r0}")
+        r0 = check_density("warmup_density", 0.25 if warmup_density is None else warmup_density)
         if warmup_density is not None and w == 0:
             raise ValueError("warmup_density applies with density_warmup > 0 only")
         if (
@@ -465,10 +463,6 @@ def _checked_state(state, algorithm: str) -> dict:
     return state
 
 
-def _count(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
-
-
 def _loaded_stats(saved, live: dict) -> dict:
     """A state's saved message counters (``stats``) as the live ones (``live``) take them.
 
@@ -485,7 +479,7 @@ def _loaded_stats(saved, live: dict) -> dict:
         integer, naming it.
     """
     base = {
-        k: 0 if _count(v) else {} if k == "phases" else copy.deepcopy(v) for k, v in live.items()
+        k: 0 if is_count(v) else {} if k == "phases" else copy.deepcopy(v) for k, v in live.items()
     }
     for k, v in new_stats().items():
         base.setdefault(k, v)
@@ -498,7 +492,7 @@ def _loaded_stats(saved, live: dict) -> dict:
         if key == "phases":
             if not isinstance(value, dict) or not all(
                 isinstance(ph, dict)
-                and all(_count(ph.get(c)) for c in ("messages", "bytes_sent", "bytes_received"))
+                and all(is_count(ph.get(c)) for c in ("messages", "bytes_sent", "bytes_received"))
                 for ph in value.values()
             ):
                 raise TypeError(
@@ -507,8 +501,8 @@ def _loaded_stats(saved, live: dict) -> dict:
                 )
             # Python integers: a NumPy one of a narrow type would wrap or overflow later.
             out[key] = {name: {c: int(v) for c, v in ph.items()} for name, ph in value.items()}
-        elif key in _COUNTERS or _count(base.get(key)):
-            if not _count(value):
+        elif key in _COUNTERS or is_count(base.get(key)):
+            if not is_count(value):
                 raise TypeError(
                     f"state stats[{key!r}] must be a non-negative integer, got {value!r}"
                 )
@@ -575,13 +569,7 @@ def _step_control(
     local[0] = err is not None
     total = ctl.allreduce(local)
     if total[0]:
-        reports = ctl.allgather_object(None if err is None else (type(err).__name__, str(err)))
-        if err is not None:
-            raise err
-        r, (kind, msg) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
-        raise (TypeError if kind == "TypeError" else ValueError)(
-            f"rank {r} rejected its arguments ({kind}: {msg})"
-        )
+        raise_rejected(err, ctl.allgather_object(error_report(err)))
     return total
 
 

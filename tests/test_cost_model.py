@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -268,3 +269,45 @@ def test_the_allreducers_budget_checks_its_density(density, error):
 
     with pytest.raises(error, match="density"):
         budget(density, 100)
+
+
+@pytest.mark.parametrize(
+    ("density", "error"),
+    [
+        (np.longdouble("1e-4000"), ValueError),  # in (0, 1] as a longdouble, 0.0 as a float
+        (10**400, ValueError),  # too large for a float
+        (math.inf, ValueError),
+        (True, TypeError),
+        (None, TypeError),
+    ],
+)
+def test_a_density_is_checked_as_the_float_it_is_stored_as(density, error):
+    """Every density check (the allreducers', their loaded states', the cost model's) is
+    ``check_density``: it returns ρ as a Python float and checks the range on that float."""
+    from spardl._checks import check_density
+
+    with pytest.raises(error, match="rho must be"):
+        check_density("rho", density)
+    with pytest.raises(error, match="density"):
+        cm.budget(density, 100)
+
+
+def test_an_allreducer_rejects_a_density_that_underflows():
+    from mpi4py import MPI
+
+    import spardl
+
+    with pytest.raises(ValueError, match="density must be in"):
+        spardl.make("topka", MPI.COMM_SELF, 100, density=np.longdouble("1e-4000"))
+    ar = spardl.make("topka", MPI.COMM_SELF, 100, density=0.5)
+    with pytest.raises(ValueError, match="density must be in"):
+        ar.set_density(np.longdouble("1e-4000"))
+    assert ar.density == 0.5 and ar.k == 50
+    state = ar.state_dict()
+    state["density"] = np.longdouble("1e-4000")
+    with pytest.raises(ValueError, match="state density must be in"):
+        ar.load_state_dict(state)
+    from spardl._checks import check_density
+
+    assert check_density("rho", np.float32(0.5)) == 0.5
+    assert type(check_density("rho", np.float32(0.5))) is float

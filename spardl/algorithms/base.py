@@ -14,15 +14,15 @@ to MPI (:mod:`spardl.comm`). The result is bit-identical to the same call on hos
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
 import spardl_kernels as K
 
 from .. import _arrays as A
-from .._checks import check_bool, check_float, check_int
+from .._checks import check_bool, check_density, check_int
 from ..comm import WIRES, Comm, name_hash, signature_digest, signature_field
 from ..cost_model import budget as cost_budget
 from ..dtypes import work_dtype as _work_dtype
@@ -335,11 +335,9 @@ class Allreducer:
             mismatched call, the job may hang.
         """
         self._check_open()
-        err = None
+        err = rho = None
         try:
-            check_float("density", density)
-            if not (0 < density <= 1) or math.isnan(density):
-                raise ValueError(f"density must be in (0, 1], got {density}")
+            rho = check_density("density", density)
         except (TypeError, ValueError) as e:
             err = e
         ok_float = err is None
@@ -352,7 +350,7 @@ class Allreducer:
             ],
             {"set_density": repr(density), "call number": self._calls},
         )
-        self._apply_density(float(density))
+        self._apply_density(rho)
 
     def _apply_density(self, density: float) -> None:
         """Set ρ and k and recompute the algorithm's derived values; local (no messages)."""
@@ -365,9 +363,7 @@ class Allreducer:
         check_int("n", n)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        check_float("density", density)
-        if not (0 < density <= 1) or math.isnan(density):
-            raise ValueError(f"density must be in (0, 1], got {density}")
+        check_density("density", density)
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         if residual not in RESIDUALS:
@@ -822,10 +818,7 @@ class Allreducer:
             )
         self._check_loaded_counters(state)
         self._check_loaded_residual(state["dtype"], res)
-        density = check_float("state density", state.get("density", self.density))
-        if not (0 < density <= 1) or math.isnan(density):
-            raise ValueError(f"state density must be in (0, 1], got {density}")
-        density = float(density)
+        density = check_density("state density", state.get("density", self.density))
         extra = state.get("extra", {})
         if not isinstance(extra, dict):
             raise TypeError(f"state extra must be a dict, got {type(extra).__name__}")
@@ -912,17 +905,9 @@ def collective_check(comm: Comm, err, signature, described) -> None:
     ok, same = comm.agree(err is None, _fixed_signature(signature))
     if ok and same:
         return
-    reports = comm.allgather_object(
-        (None if err is None else (type(err).__name__, str(err)), described)
-    )
-    if err is not None:
-        raise err
-    if not ok:
-        bad = [(r, rep[0]) for r, rep in enumerate(reports) if rep[0] is not None]
-        r, (kind, msg) = bad[0]
-        # The same exception type as the failing rank raises, so every rank can catch it alike.
-        exc = TypeError if kind == "TypeError" else ValueError
-        raise exc(f"rank {r} rejected its arguments ({kind}: {msg})")
+    reports = comm.allgather_object((error_report(err), described))
+    if err is not None or not ok:
+        raise_rejected(err, [rep[0] for rep in reports])
     descs = [rep[1] for rep in reports]
     keys = dict.fromkeys(key for d in descs for key in d)  # every rank's, so each call is named
     diffs = [
@@ -931,6 +916,36 @@ def collective_check(comm: Comm, err, signature, described) -> None:
         if any(repr(d.get(key)) != repr(descs[0].get(key)) for d in descs)
     ]
     raise ValueError("ranks disagree on " + "; ".join(diffs or ["the call sequence"]))
+
+
+def error_report(err) -> tuple[str, str] | None:
+    """What a rank tells the others of its local error ``err``: (type name, message), or None."""
+    return None if err is None else (type(err).__name__, str(err))
+
+
+def raise_rejected(err, reports) -> NoReturn:
+    """Raise after a failed agreement: ``err`` on its own rank, else the first failing rank's
+    error type, naming that rank and its message.
+
+    Parameters
+    ----------
+    err : Exception or None
+        This rank's local error.
+    reports : list
+        Every rank's :func:`error_report`, in rank order; at least one is not None.
+
+    Raises
+    ------
+    Exception
+        ``err`` itself when given; otherwise TypeError if the first failing rank raised one,
+        else ValueError: every rank can catch it alike.
+    """
+    if err is not None:
+        raise err
+    r, (kind, msg) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
+    raise (TypeError if kind == "TypeError" else ValueError)(
+        f"rank {r} rejected its arguments ({kind}: {msg})"
+    )
 
 
 def agree_on_load(comm: Comm, err, identity, described, loaded=None, prefix: str = "") -> None:
