@@ -919,15 +919,22 @@ class Comm:
         (all_ok, same)
             Whether every rank passed, and whether every rank gave the same signature.
         """
-        sig = np.array([signature_field(v) for v in signature], dtype=np.int64)
+        return self.agree_fields(ok, [signature_field(v) for v in signature])
+
+    def agree_fields(self, ok: bool, sig: list[int]) -> tuple[bool, bool]:
+        """:meth:`agree` of a signature already made of :func:`signature_field` values (Python
+        ints in (-(2**63), 2**63)), as :func:`spardl.algorithms.base.collective_check` makes
+        it: no second conversion on every step."""
         # max(v) == -max(-v) iff every rank holds the same v: one MAX allreduce answers both
-        # (-2**63, whose negation wraps, never occurs: signature_field's range).
-        v = np.concatenate(([0 if ok else 1], sig, -sig)).astype(np.int64)
+        # (-2**63, whose negation wraps, never occurs: signature_field's range). A handful of
+        # integers: built and compared as Python lists (this runs on every step).
+        v = np.array([0 if ok else 1, *sig, *[-f for f in sig]], dtype=np.int64)
         out = np.empty_like(v)
         self._clocked.Allreduce(v, out, op=MPI.MAX)
         self.stats["control_messages"] += 1
         m = len(sig)
-        return bool(out[0] == 0), bool(np.all(out[1 : 1 + m] == -out[1 + m :]))
+        got = out.tolist()
+        return got[0] == 0, got[1 : 1 + m] == [-f for f in got[1 + m :]]
 
     def abort(self, code: int = 1) -> None:
         """Abort every process of the communicator (used when a rank fails mid-collective)."""
@@ -1085,7 +1092,10 @@ def signature_field(v) -> int:
     (an integer past int64, a bool, a float, a string) as :func:`signature_digest` of its type
     and ``repr``. Equal values give equal fields; different values give different fields (but
     for digest collisions, one in 2**62)."""
-    if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and -(2**63) < v < 2**63:
+    if type(v) is int:  # the common case first: a Python int, not a bool (a subclass)
+        if -(2**63) < v < 2**63:
+            return v
+    elif isinstance(v, (int, np.integer)) and not isinstance(v, bool) and -(2**63) < v < 2**63:
         return int(v)
     return signature_digest(f"{type(v).__qualname__}:{v!r}")
 

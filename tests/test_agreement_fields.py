@@ -65,3 +65,28 @@ def test_signatures_have_one_length_and_differ_when_their_fields_do(a, b):
 def test_name_hash_is_62_bits_and_tells_names_apart(a, b):
     assert 0 <= name_hash(a) < 2**62
     assert (name_hash(a) == name_hash(b)) == (a == b)
+
+
+def test_words_of_a_check_are_built_only_when_it_fails():
+    """collective_check takes its words as a callable, called only for a failed check: a check
+    made every step does not build them every step."""
+    import pytest
+    from mpi4py import MPI
+
+    from spardl.algorithms.base import collective_check
+    from spardl.comm import Comm
+
+    comm = Comm(MPI.COMM_SELF)
+    built = []
+
+    def words():
+        built.append(1)
+        return {"n": 5}
+
+    collective_check(comm, None, [name_hash("x"), 5], words)
+    assert built == []
+    assert comm.agree(True, [name_hash("x"), 2**70, "s"]) == (True, True)
+    assert comm.agree_fields(False, [signature_field(2**70)]) == (False, True)
+    with pytest.raises(ValueError, match="bad n"):
+        collective_check(comm, ValueError("bad n"), [name_hash("x"), 5], words)
+    assert built == [1]

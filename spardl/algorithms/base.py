@@ -90,8 +90,13 @@ class Above:
     threshold: float
 
 
+_DTYPE_CODES = {dt: code for code, dt in enumerate(VALUE_DTYPES, start=1)}
+
+
 def _dtype_code(dtype) -> int:
-    return {"float16": 1, "float32": 2, "float64": 3}.get(str(dtype), 0)
+    """1, 2, 3 for float16, float32, float64 (native byte order), 0 for anything else (None
+    too): a dict lookup, where ``str(dtype)`` costs microseconds on every call."""
+    return _DTYPE_CODES.get(dtype, 0)
 
 
 def _float_bits(x) -> int:
@@ -517,15 +522,16 @@ class Allreducer:
         dtype = None if g is None else g.dtype
         on_gpu = g is not None and A.is_device(g)
         if self.check:
+            calls = self._calls
             self.collective_check(
                 err,
-                [name_hash(self.name), self.n, _dtype_code(dtype), self._calls, int(on_gpu)],
-                {
+                [name_hash(self.name), self.n, _dtype_code(dtype), calls, int(on_gpu)],
+                lambda: {  # words only for a failed check
                     "grad dtype": str(dtype),
                     "grad device": "gpu" if on_gpu else "cpu",
                     "n": self.n,
                     "algorithm": self.name,
-                    "call number": self._calls,
+                    "call number": calls,
                 },
             )
         elif err is not None:
@@ -893,18 +899,21 @@ def collective_check(comm: Comm, err, signature, described) -> None:
     signature : sequence of int
         Integers that must be equal on every rank, any number of them (past ``SIGNATURE_LEN``
         the rest are compared by one digest), any size (:func:`spardl.comm.signature_field`).
-    described : dict
+    described : dict, or a callable without arguments that returns one
         The same fields in words, to name what differs (compared by ``repr``: ``0.1`` and
-        ``np.float32(0.1)`` differ).
+        ``np.float32(0.1)`` differ). A callable is called only when the check fails, so that
+        a call made every step does not build its words every step.
 
     Raises
     ------
     ValueError, TypeError
         On every rank, unless every rank passed and all signatures match.
     """
-    ok, same = comm.agree(err is None, _fixed_signature(signature))
+    ok, same = comm.agree_fields(err is None, _fixed_signature(signature))
     if ok and same:
         return
+    if callable(described):
+        described = described()
     reports = comm.allgather_object((error_report(err), described))
     if err is not None or not ok:
         raise_rejected(err, [rep[0] for rep in reports])
