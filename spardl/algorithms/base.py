@@ -755,8 +755,16 @@ class Allreducer:
             "state's call number": self._calls,
             "state's step": self.step,
             "state's density": self.density,
+            **self._state_words(),
             "state's other counters": more,
         }
+
+    def _state_words(self) -> dict:
+        """The values behind :meth:`_state_signature`'s fields, named, for the message of a
+        failed comparison (its fields are digests and differences): none here; Ok-Topk names
+        its regions and reused threshold, SparDL with d > 1 its h. Local, and only called on
+        a loaded (so validated) state."""
+        return {}
 
     def _state_signature(self) -> list[int]:
         """Integers every rank's loaded state must agree on besides the step, call count and

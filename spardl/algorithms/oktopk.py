@@ -451,6 +451,12 @@ class OkTopk(Allreducer):
             return []
         return region_fields(extra.get("bounds"), extra.get("global_threshold", math.nan))
 
+    def _state_words(self) -> dict:
+        return {
+            "state's region bounds": None if self.bounds is None else self.bounds.tolist(),
+            "state's global threshold": self.global_threshold,
+        }
+
     def _load_extra_state(self, state: dict) -> None:
         b = state.get("bounds")
         if b is not None:

@@ -348,6 +348,9 @@ class SparDL(Allreducer):
             return []
         return [owners_h_field(comm, extra.get("h"), comm.size // d)]
 
+    def _state_words(self) -> dict:
+        return {} if self.d == 1 else {"state's h": self.h}
+
     def _load_extra_state(self, state: dict) -> None:
         if not state:
             return
