@@ -172,6 +172,8 @@ def density_floor(density: float, count: int, divisor: int = 1) -> int:
     0.29·100 gives 29, 0.882037037·5000027 gives 4410208 (4410208.999999999), at any size. A
     density computed as a ratio counts as the ratio: when m = ⌊…⌋ + 1 has m·divisor/count
     rounding to ρ itself (2/3 of 3 entries, whose decimal 0.6666666666666666 falls short), m.
+    That rule also applies where a float cannot tell m/count from ρ, once count passes about
+    1/(ρ·2⁻⁵³) (10¹⁶ entries at ρ = 0.1): 0.1 of 10¹⁸ + 1 gives 10¹⁷ + 1.
 
     Parameters
     ----------

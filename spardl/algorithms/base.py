@@ -56,7 +56,8 @@ def budget(density: float, n: int) -> int:
     int
         The number of entries to select: ρ·n exactly, floored, with ρ read as the decimal it
         was written as (0.29·100 gives 29, never 28) or, for a ratio, as the ratio (2/3 of 3
-        gives 2; :func:`spardl.cost_model.density_floor`).
+        gives 2; :func:`spardl.cost_model.density_floor`, which says where a float cannot
+        tell the two apart).
 
     Raises
     ------
