@@ -98,5 +98,10 @@ def check_density(name: str, value, *, numpy: bool = True) -> float:
     except OverflowError:  # an integer too large for a float is out of range anyway
         rho = math.inf
     if not 0 < rho <= 1:  # NaN fails every comparison
-        raise ValueError(f"{name} must be in (0, 1], got {value}")
+        # a Python number as itself; another (a NumPy longdouble) by its repr, which keeps
+        # its own precision (formatting it as a float would print 1e-4000 as 0.0)
+        shown = value if type(value) in (int, float) else repr(value)
+        if type(value) is int and value.bit_length() > 64:
+            shown = f"an integer of {len(str(value))} digits"
+        raise ValueError(f"{name} must be in (0, 1], got {shown}")
     return rho

@@ -196,8 +196,12 @@ def density_floor(density: float, count: int, divisor: int = 1) -> int:
 
 def budget(density: float, n: int) -> int:
     """k = ⌊ρ·n⌋, at least 1 and at most n (the rule of :func:`spardl.algorithms.base.budget`;
-    :func:`density_floor`)."""
+    :func:`density_floor`). ρ in (0, 1] and an integer n ≥ 1, or TypeError/ValueError naming
+    the argument."""
     rho = check_density("density", density)
+    check_int("n", n)
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
     return int(min(n, max(1, density_floor(rho, n))))
 
 

@@ -27,7 +27,7 @@ import torch
 
 from . import _arrays as A
 from . import make
-from ._checks import check_bool, check_density, check_float, check_int, is_count
+from ._checks import check_bool, check_density, check_float, check_int, is_count, type_name
 from .algorithms.base import agree_on_load, collective_check, error_report, raise_rejected
 from .comm import Comm, name_hash, new_stats
 
@@ -209,8 +209,8 @@ class _Techniques:
             w > 0
             and isinstance(density, (int, float, np.floating, np.integer))
             and not isinstance(density, bool)
-            and 0 < density <= 1
-            and r0 < density
+            and 0 < float(density) <= 1
+            and r0 < float(density)  # both as the floats they are stored as
         ):
             raise ValueError(
                 f"warmup_density ({r0}) must be >= density ({density}): the warm-up starts "
@@ -461,6 +461,66 @@ def _checked_state(state, algorithm: str) -> dict:
             f"state was saved with algorithm={state['algorithm']!r}, this one has {algorithm!r}"
         )
     return state
+
+
+def _malformed(e: BaseException) -> ValueError:
+    """A load's failure that is no TypeError or ValueError (a KeyError for a missing field,
+    an OverflowError of a number past a float), as the ValueError every rank raises."""
+    err = ValueError(f"state is malformed ({type(e).__name__}: {e})")
+    err.__cause__ = e
+    return err
+
+
+def _loaded_step(state: dict) -> int:
+    """A state's step: a non-negative integer (a Python or NumPy one, never a bool).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming ``state step``.
+    """
+    step = check_int("state step", state["step"])
+    if not 0 <= step < 2**63:
+        raise ValueError(f"state step must be in [0, 2**63), got {step}")
+    return int(step)
+
+
+def _loaded_velocity(saved) -> dict:
+    """A state's momentum-correction velocities (``velocity``: parameter key → vector) as
+    one-dimensional host arrays, copied (floats in their dtype, integers as float64); {} for
+    None or an empty one. Their keys and
+    lengths are checked against the layout by :meth:`_Core.check_pending_velocity`.
+
+    Raises
+    ------
+    TypeError
+        If ``saved`` is not a dict, or a velocity is not a one-dimensional real vector (a
+        NumPy array, a tensor, a list of numbers), naming its parameter.
+    """
+    if saved is None:
+        return {}
+    if not isinstance(saved, dict):
+        raise TypeError(f"state velocity must be a dict, got {type_name(saved)}")
+    out = {}
+    for k, v in saved.items():
+        if isinstance(v, torch.Tensor):
+            v = v.detach().cpu().numpy()
+        try:
+            a = np.asarray(v)
+        except (TypeError, ValueError):
+            a = None
+        if (
+            a is None
+            or a.ndim != 1
+            or not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer))
+        ):
+            what = type_name(v) if a is None else f"{a.dtype} array of shape {a.shape}"
+            raise TypeError(
+                f"the state's velocity of parameter {k!r} must be a one-dimensional real "
+                f"vector, got {what}"
+            )
+        out[k] = np.array(a, dtype=a.dtype if a.dtype.kind == "f" else np.float64)
+    return out
 
 
 def _loaded_stats(saved, live: dict) -> dict:
@@ -888,29 +948,45 @@ class _Core:
             buf *= buf.dtype.type(limit / norm)
 
     def _velocity(self) -> torch.Tensor:
-        """This rank's velocity u (created at zero, or from a loaded state by parameter key)."""
+        """This rank's velocity u (created at zero, or from a loaded state by parameter key,
+        checked by :meth:`check_pending_velocity` before the step's agreement)."""
         if self.velocity is None:
-            self.velocity = torch.zeros_like(self.flat)
-            saved, self.pending_velocity = self.pending_velocity, None
+            u = torch.zeros_like(self.flat)
+            saved = self.pending_velocity
             if saved:
-                lost = sorted(set(saved) - set(self.keys))
-                if lost:
-                    raise ValueError(
-                        f"the state holds velocities of parameters {lost} that are not reduced here"
-                    )
+                self.check_pending_velocity()
                 o = self.offsets
                 for i, k in enumerate(self.keys):
                     if k in saved:
-                        v = np.asarray(saved[k])
-                        if v.shape != (self.numels[i],):
-                            raise ValueError(
-                                f"the state's velocity of parameter {k!r} has shape {v.shape}, "
-                                f"the parameter has {self.numels[i]} elements"
-                            )
-                        self.velocity[o[i] : o[i + 1]] = torch.from_numpy(v.copy()).to(
-                            self.flat.dtype
-                        )
+                        u[o[i] : o[i + 1]] = torch.from_numpy(saved[k]).to(self.flat.dtype)
+            self.velocity, self.pending_velocity = u, None
         return self.velocity
+
+    def check_pending_velocity(self) -> None:
+        """Check the loaded velocities that wait for the next step against the layout: every
+        key one of this layout's parameters, every velocity as long as its parameter. Run at
+        the load when the layout is known, else before the agreement that starts the first
+        step (the hook learns its layout there), so that a bad one fails on every rank.
+
+        Raises
+        ------
+        ValueError
+            Naming the parameter.
+        """
+        saved = self.pending_velocity
+        if not saved or self.keys is None:
+            return
+        lost = sorted(set(saved) - set(self.keys), key=repr)
+        if lost:
+            raise ValueError(
+                f"the state holds velocities of parameters {lost} that are not reduced here"
+            )
+        for k, m in zip(self.keys, self.numels, strict=True):
+            if k in saved and saved[k].shape != (m,):
+                raise ValueError(
+                    f"the state's velocity of parameter {k!r} has shape {saved[k].shape}, "
+                    f"the parameter has {m} elements"
+                )
 
     def velocities(self) -> dict:
         if self.velocity is None or self.keys is None:
@@ -964,8 +1040,8 @@ class _Core:
         err = None
         try:
             self._load_local(state)
-        except (TypeError, ValueError) as e:
-            err = e
+        except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
+            err = e if isinstance(e, (TypeError, ValueError)) else _malformed(e)
         try:
             # The allreducer's loaded state must agree across ranks too (counters, ρ, the
             # algorithm's schedule state); loaded later (pending), it is checked when applied.
@@ -1006,13 +1082,13 @@ class _Core:
                 f"this one has {self.comm.size} (spardl.elastic loads the states of every "
                 "rank at another world size)"
             )
-        velocity = state.get("velocity")
+        velocity = _loaded_velocity(state.get("velocity"))
         if velocity and self.tech.momentum is None:
             raise ValueError(
                 "the state holds momentum-correction velocities, but momentum_correction is "
                 "None here"
             )
-        step = int(state["step"])
+        step = _loaded_step(state)
         stats = _loaded_stats(state.get("stats"), self.stats)
         if self.sparse is not None:
             self._apply(state)  # local and all or nothing; may raise before anything changed
@@ -1020,7 +1096,8 @@ class _Core:
             self.pending = state
         self.step = step
         self.velocity = None
-        self.pending_velocity = dict(velocity) if velocity else None
+        self.pending_velocity = velocity or None
+        self.check_pending_velocity()  # the layout known: at the load, on every rank
         self.stats.clear()
         self.stats.update(stats)
 
@@ -1273,8 +1350,8 @@ class _Buckets:
         err, new = None, None
         try:
             new = self._load_local(state)
-        except (TypeError, ValueError) as e:
-            err = e
+        except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
+            err = e if isinstance(e, (TypeError, ValueError)) else _malformed(e)
         step = -1 if new is None else new[0]
         collective_check(
             self.ctl,
@@ -1316,7 +1393,7 @@ class _Buckets:
             carry = _by_key(keys, numels, saved.get("residual"), copy=True)
             carry_step = int(saved.get("step", 0))
         return (
-            int(state["step"]),
+            _loaded_step(state),
             _loaded_stats(state.get("stats"), self.stats),
             full,
             carry,
@@ -1730,6 +1807,11 @@ class SparseHookState(_Front):
         if core.keys is None:
             first = self._first_layout(params, inflight)
         local, err = self._copy_in(seen, first, err)
+        if err is None:
+            try:
+                core.check_pending_velocity()  # a loaded one meets its layout here
+            except ValueError as e:
+                err = e
         total = _step_control(
             core.ctl, err, local, core.options.get("check", True), "hook iteration"
         )

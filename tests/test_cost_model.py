@@ -311,3 +311,23 @@ def test_an_allreducer_rejects_a_density_that_underflows():
 
     assert check_density("rho", np.float32(0.5)) == 0.5
     assert type(check_density("rho", np.float32(0.5))) is float
+
+
+@pytest.mark.parametrize(
+    ("n", "error"),
+    [(0, ValueError), (-5, ValueError), (True, TypeError), (2.5, TypeError), (None, TypeError)],
+)
+def test_budget_checks_its_length(n, error):
+    with pytest.raises(error, match="n must be"):
+        cm.budget(0.5, n)
+
+
+def test_a_refused_density_is_shown_in_its_own_precision():
+    from spardl._checks import check_density
+
+    with pytest.raises(ValueError, match=r"got np.longdouble\('1e-4000'\)"):
+        check_density("rho", np.longdouble("1e-4000"))
+    with pytest.raises(ValueError, match="got an integer of 401 digits"):
+        check_density("rho", 10**400)
+    with pytest.raises(ValueError, match=r"got 1\.5$"):
+        check_density("rho", 1.5)

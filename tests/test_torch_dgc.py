@@ -153,6 +153,20 @@ def test_bad_technique_options_fail_at_construction(kind, options, error, messag
             st.SparseHookState(MPI.COMM_SELF, **options)
 
 
+def test_a_warmup_density_equal_to_the_stored_density_is_accepted():
+    """The warm-up's start is compared with ρ as the float it is stored as: a longdouble a hair
+    above 0.5 is stored as 0.5, so a warm-up from 0.5 is valid."""
+    rho = np.longdouble(0.5) + np.longdouble(2) ** -60
+    red = st.SparseGradientReducer(
+        [torch.nn.Parameter(torch.zeros(8))],
+        MPI.COMM_SELF,
+        density=rho,
+        density_warmup=3,
+        warmup_density=0.5,
+    )
+    assert red.state_dict()["techniques"]["warmup_density"] == 0.5
+
+
 def test_loading_velocities_without_momentum_correction_is_an_error():
     p = torch.nn.Parameter(torch.zeros(50))
     red = st.SparseGradientReducer([p], MPI.COMM_SELF, "topka", momentum_correction=0.5)

@@ -438,6 +438,9 @@ class Allreducer:
         ------
         ValueError, TypeError
             On every rank, if any rank's ``grad`` is invalid or the ranks' calls disagree.
+            With ``check=False`` there is no agreement: only the ranks whose own ``grad`` is
+            invalid raise, and the others' call may pair with a later one or hang, as with
+            plain MPI.
         NonFiniteError
             With ``nonfinite="raise"``, on every rank when the reduced values are not finite.
 

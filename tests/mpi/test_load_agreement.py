@@ -423,3 +423,97 @@ def test_reducer_states_with_missing_or_bad_stats(comm, algorithm, bad):
         assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
     assert red.state_dict()["step"] == 4
     assert red.stats["steps"] >= 2
+
+
+_BAD_VELOCITIES = {
+    "short": lambda v, key: {**v, key: np.zeros(3, np.float32)},
+    "unknown key": lambda v, key: {**v, "no.such.parameter": np.zeros(3, np.float32)},
+    "text": lambda v, key: {**v, key: "x"},
+    "not a dict": lambda v, key: [1, 2],
+}
+
+
+@pytest.mark.parametrize("bad", sorted(_BAD_VELOCITIES))
+def test_reducer_states_with_bad_velocities_fail_at_the_load_everywhere(comm, bad):
+    """Momentum correction's saved velocities on the last rank of the wrong length, key or
+    kind: the load raises on every rank and keeps the state (they were checked at the first
+    step after it, on that rank alone, while the others waited in the allreduce)."""
+    model = _model()
+    red = st.SparseGradientReducer(
+        model.named_parameters(), comm, "spardl", density=0.1, momentum_correction=0.9
+    )
+    _backward(model, comm, 0)
+    red.reduce()
+    state = red.state_dict()
+    key = next(iter(state["velocity"]))
+    if comm.rank == comm.size - 1:
+        state["velocity"] = _BAD_VELOCITIES[bad](state["velocity"], key)
+    error = TypeError if bad in ("text", "not a dict") else ValueError
+    if comm.size > 1:
+        error = (TypeError, ValueError)  # the other ranks name the last rank's type or its own
+    with pytest.raises(error, match="velocit|rank"):
+        red.load_state_dict(state)
+    for s in range(1, 3):
+        _backward(model, comm, s)
+        out = red.reduce()
+        assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
+    assert red.state_dict()["step"] == 3
+
+
+def test_hook_states_with_bad_velocities_fail_at_the_first_step_everywhere(comm):
+    """The DDP hook learns its layout at its first iteration: a loaded velocity of the wrong
+    length on one rank is refused there, before the step's agreement, on every rank."""
+    model = _model()
+    params = list(model.parameters())
+
+    def step(hook, seed):
+        _backward(model, comm, seed)
+        buf = torch.cat([p.grad.flatten() for p in params])
+        return hook._bucket(FakeBucket(0, buf, params, True)).wait()
+
+    def hook_state():
+        return st.SparseHookState(
+            comm, "spardl", warmup_steps=0, density=0.1, model=model, momentum_correction=0.9
+        )
+
+    hook = hook_state()
+    step(hook, 0)
+    state = hook.state_dict()
+    key = next(iter(state["velocity"]))
+    if comm.rank == comm.size - 1:
+        state["velocity"][key] = np.zeros(3, np.float32)
+    fresh = hook_state()
+    fresh.load_state_dict(state)  # the layout is not known yet
+    with pytest.raises(ValueError, match="velocity of parameter|rank"):
+        step(fresh, 1)
+
+
+_BAD_REDUCER_STATES = {
+    "step inf": lambda s: s.update(step=float("inf")),
+    "step negative": lambda s: s.update(step=-5),
+    "step text": lambda s: s.update(step="2"),
+    "numels missing": lambda s: s.pop("numels"),
+    "sum past a float": lambda s: s["stats"].update(dropped_mass=10**400),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(_BAD_REDUCER_STATES))
+def test_reducer_states_that_fail_in_other_ways_fail_everywhere(comm, bad):
+    """A reducer state on the last rank whose load fails with an error other than TypeError
+    or ValueError (a KeyError, an OverflowError) raises on every rank too (that rank once
+    raised alone while the others waited), and a step must be a non-negative integer (-5 and
+    1.7 once loaded)."""
+    model = _model()
+    red = st.SparseGradientReducer(model.parameters(), comm, "spardl", density=0.1)
+    _backward(model, comm, 0)
+    red.reduce()
+    state = red.state_dict()
+    if comm.rank == comm.size - 1:
+        _BAD_REDUCER_STATES[bad](state)
+    with pytest.raises((TypeError, ValueError), match="state|rank"):
+        red.load_state_dict(state)
+    for s in range(1, 3):
+        _backward(model, comm, s)
+        out = red.reduce()
+        assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
+    assert red.state_dict()["step"] == 3
