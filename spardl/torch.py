@@ -553,6 +553,7 @@ def _loaded_stats(saved, live: dict) -> dict:
             if not isinstance(value, dict) or not all(
                 isinstance(ph, dict)
                 and all(is_count(ph.get(c)) for c in ("messages", "bytes_sent", "bytes_received"))
+                and all(is_count(v) for v in ph.values())  # nothing else a count would break
                 for ph in value.values()
             ):
                 raise TypeError(

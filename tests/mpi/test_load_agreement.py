@@ -389,6 +389,7 @@ def test_loaded_density_and_extra_of_the_wrong_kind_fail_everywhere(
         [1, 2],
         {"messages": -1},
         {"phases": {"x": 1}},
+        {"phases": {"x": {"messages": 1, "bytes_sent": 2, "bytes_received": 3, "extra": "x"}}},
         {"dropped_mass": "x"},  # a sum a step adds to (gTop-k's), not a number
     ],
 )
