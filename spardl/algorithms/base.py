@@ -957,16 +957,18 @@ def raise_rejected(err, reports) -> NoReturn:
 
     Raises
     ------
-    Exception
-        ``err`` itself when given; otherwise TypeError if the first failing rank raised one,
-        else ValueError: every rank can catch it alike.
+    TypeError, ValueError
+        TypeError if the first failing rank's error is one, else ValueError, on every rank,
+        so that every rank can catch it alike: ``err`` itself where it is of that type, else
+        one naming the first failing rank (and ``err``, from which it is raised). An ``err``
+        that is neither (a fault, not an argument error) is raised as it is.
     """
-    if err is not None:
-        raise err
     r, (kind, msg) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
-    raise (TypeError if kind == "TypeError" else ValueError)(
-        f"rank {r} rejected its arguments ({kind}: {msg})"
-    )
+    exc = TypeError if kind == "TypeError" else ValueError
+    if err is not None and (isinstance(err, exc) or not isinstance(err, (TypeError, ValueError))):
+        raise err  # of the agreed type, or no argument error at all (a fault keeps its type)
+    own = "" if err is None else f"; this rank's own: {type(err).__name__}: {err}"
+    raise exc(f"rank {r} rejected its arguments ({kind}: {msg}){own}") from err
 
 
 def agree_on_load(comm: Comm, err, identity, described, loaded=None, prefix: str = "") -> None:

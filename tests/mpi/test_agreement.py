@@ -179,3 +179,18 @@ def test_a_bad_gradient_on_one_rank_fails_everywhere_with_and_without_check(comm
     model[0].weight.grad = good
     out = red.reduce()
     assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
+
+
+def test_ranks_that_fail_with_different_types_raise_one_type(comm):
+    """Rank 1 passes a density of the wrong type (TypeError), rank 2 one out of range
+    (ValueError): every rank raises the first failing rank's type, so that one ``except``
+    catches it everywhere; rank 2's message keeps its own error too."""
+    density = {1: "x", 2: 2.0}.get(comm.rank, 0.1)
+    if comm.size == 1:
+        spardl.make("topka", comm, 20, density=density).close()
+        return
+    with pytest.raises(TypeError) as info:
+        spardl.make("topka", comm, 20, density=density)
+    if comm.rank == 2:
+        assert "rank 1 rejected its arguments" in str(info.value)
+        assert "this rank's own: ValueError: density must be in (0, 1]" in str(info.value)
