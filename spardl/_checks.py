@@ -13,7 +13,16 @@ import math
 
 import numpy as np
 
-__all__ = ["check_int", "check_float", "check_bool", "check_density", "is_count", "type_name"]
+__all__ = [
+    "check_int",
+    "check_float",
+    "check_bool",
+    "check_counter",
+    "check_density",
+    "is_count",
+    "malformed",
+    "type_name",
+]
 
 
 def type_name(value) -> str:
@@ -58,6 +67,31 @@ def check_int(name: str, value, *, numpy: bool = True):
     if isinstance(value, bool) or not isinstance(value, types):
         raise TypeError(f"{name} must be an integer, got {type_name(value)}")
     return value
+
+
+def check_counter(name: str, value) -> int:
+    """``value`` as a Python int when it is a loaded step or call count: an integer (not a bool)
+    in [0, 2**63).
+
+    Raises
+    ------
+    TypeError
+        ``"{name} must be an integer, got {type}"`` (:func:`check_int`).
+    ValueError
+        ``"{name} must be in [0, 2**63), got {value}"``.
+    """
+    check_int(name, value)
+    if not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be in [0, 2**63), got {value}")
+    return int(value)
+
+
+def malformed(e: BaseException) -> ValueError:
+    """The ValueError a load raises for a state it could not take (``e``: a KeyError for a
+    missing field, an OverflowError of a number past a float, ...), ``e`` as its cause."""
+    err = ValueError(f"state is malformed ({type(e).__name__}: {e})")
+    err.__cause__ = e
+    return err
 
 
 def check_float(name: str, value, *, numpy: bool = True, or_none: bool = False):

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._checks import check_int
+from ._checks import check_int, malformed
 from .algorithms.base import Allreducer, collective_check
 from .comm import Comm, name_hash
 from .dtypes import work_dtype
@@ -349,7 +349,7 @@ def _load_folded(ar: Allreducer, state: dict) -> None:
             ar._residual = np.array(res, dtype=work, copy=True)
     except Exception as e:  # noqa: BLE001 - restored, then reported as a malformed state
         _restore(ar, saved)
-        raise ValueError(f"state is malformed ({type(e).__name__}: {e})") from e
+        raise malformed(e) from e
 
 
 def _restore(ar: Allreducer, saved) -> None:

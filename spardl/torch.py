@@ -27,7 +27,16 @@ import torch
 
 from . import _arrays as A
 from . import make
-from ._checks import check_bool, check_density, check_float, check_int, is_count, type_name
+from ._checks import (
+    check_bool,
+    check_counter,
+    check_density,
+    check_float,
+    check_int,
+    is_count,
+    malformed,
+    type_name,
+)
 from .algorithms.base import agree_on_load, collective_check, error_report, raise_rejected
 from .comm import Comm, name_hash, new_stats
 
@@ -461,28 +470,6 @@ def _checked_state(state, algorithm: str) -> dict:
             f"state was saved with algorithm={state['algorithm']!r}, this one has {algorithm!r}"
         )
     return state
-
-
-def _malformed(e: BaseException) -> ValueError:
-    """A load's failure that is no TypeError or ValueError (a KeyError for a missing field,
-    an OverflowError of a number past a float), as the ValueError every rank raises."""
-    err = ValueError(f"state is malformed ({type(e).__name__}: {e})")
-    err.__cause__ = e
-    return err
-
-
-def _loaded_step(state: dict) -> int:
-    """A state's step: a non-negative integer (a Python or NumPy one, never a bool).
-
-    Raises
-    ------
-    TypeError, ValueError
-        Naming ``state step``.
-    """
-    step = check_int("state step", state["step"])
-    if not 0 <= step < 2**63:
-        raise ValueError(f"state step must be in [0, 2**63), got {step}")
-    return int(step)
 
 
 def _loaded_velocity(saved) -> dict:
@@ -1042,7 +1029,7 @@ class _Core:
         try:
             self._load_local(state)
         except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
-            err = e if isinstance(e, (TypeError, ValueError)) else _malformed(e)
+            err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
         try:
             # The allreducer's loaded state must agree across ranks too (counters, ρ, the
             # algorithm's schedule state); loaded later (pending), it is checked when applied.
@@ -1089,7 +1076,7 @@ class _Core:
                 "the state holds momentum-correction velocities, but momentum_correction is "
                 "None here"
             )
-        step = _loaded_step(state)
+        step = check_counter("state step", state["step"])
         stats = _loaded_stats(state.get("stats"), self.stats)
         if self.sparse is not None:
             self._apply(state)  # local and all or nothing; may raise before anything changed
@@ -1352,7 +1339,7 @@ class _Buckets:
         try:
             new = self._load_local(state)
         except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
-            err = e if isinstance(e, (TypeError, ValueError)) else _malformed(e)
+            err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
         step = -1 if new is None else new[0]
         collective_check(
             self.ctl,
@@ -1394,7 +1381,7 @@ class _Buckets:
             carry = _by_key(keys, numels, saved.get("residual"), copy=True)
             carry_step = int(saved.get("step", 0))
         return (
-            _loaded_step(state),
+            check_counter("state step", state["step"]),
             _loaded_stats(state.get("stats"), self.stats),
             full,
             carry,

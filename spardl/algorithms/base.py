@@ -22,7 +22,7 @@ import numpy as np
 import spardl_kernels as K
 
 from .. import _arrays as A
-from .._checks import check_bool, check_density, check_int
+from .._checks import check_bool, check_counter, check_density, check_int, malformed
 from ..comm import WIRES, Comm, name_hash, signature_digest, signature_field
 from ..cost_model import budget as cost_budget
 from ..dtypes import work_dtype as _work_dtype
@@ -851,16 +851,14 @@ class Allreducer:
             self._load_extra_state(extra)
         except Exception as e:  # noqa: BLE001 - a malformed state: restored, then a ValueError
             self._restore(saved)
-            raise ValueError(f"state is malformed ({type(e).__name__}: {e})") from e
+            raise malformed(e) from e
 
     @staticmethod
     def _check_loaded_counters(state, what: str = "state") -> None:
         """A state's step and call count: integers (not bools) in [0, 2**63); errors name them
         as ``what`` says (e.g. "state's inner" for a candidate's state inside ``auto``'s)."""
         for key in ("step", "calls"):
-            check_int(f"{what} {key}", state[key])
-            if not 0 <= state[key] < 2**63:
-                raise ValueError(f"{what} {key} must be in [0, 2**63), got {state[key]}")
+            check_counter(f"{what} {key}", state[key])
 
     def _check_loaded_residual(self, dtype, res) -> None:
         """A state's gradient dtype and residual: a float dtype, and a residual of its work dtype
