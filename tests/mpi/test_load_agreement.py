@@ -247,6 +247,22 @@ def _backward(model, comm, seed):
     model(torch.randn(4, 16)).sum().backward()
 
 
+def _hook_step(comm, model, hook, seed):
+    """One backward and the DDP hook on one bucket of all of ``model``'s gradients."""
+    _backward(model, comm, seed)
+    params = list(model.parameters())
+    buf = torch.cat([p.grad.flatten() for p in params])
+    return hook._bucket(FakeBucket(0, buf, params, True)).wait()
+
+
+def _reduce_alike(comm, model, red, seeds) -> None:
+    """A backward and a ``red.reduce()`` at each seed: every rank must get the same indices."""
+    for s in seeds:
+        _backward(model, comm, s)
+        out = red.reduce()
+        assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
+
+
 def test_reducer_states_of_different_densities_fail_everywhere(comm):
     """The PyTorch reducer's load compares its allreducer's state too (ρ here)."""
     model = _model()
@@ -267,9 +283,7 @@ def test_reducer_states_of_different_densities_fail_everywhere(comm):
     with pytest.raises(ValueError, match="ranks disagree on allreducer state's density"):
         b.load_state_dict(state)
     assert b.state_dict()["step"] == 2
-    _backward(model, comm, 5)
-    out = b.reduce()
-    assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
+    _reduce_alike(comm, model, b, [5])
 
 
 def test_hook_states_of_different_densities_fail_at_the_first_sparse_step(comm):
@@ -277,12 +291,9 @@ def test_hook_states_of_different_densities_fail_at_the_first_sparse_step(comm):
     loaded before then there: that is where ranks whose states disagree (ρ here) must raise,
     on every rank."""
     model = _model()
-    params = list(model.parameters())
 
     def step(hook, seed):
-        _backward(model, comm, seed)
-        buf = torch.cat([p.grad.flatten() for p in params])
-        return hook._bucket(FakeBucket(0, buf, params, True)).wait()
+        return _hook_step(comm, model, hook, seed)
 
     def stepped(density):
         hook = st.SparseHookState(comm, "spardl", warmup_steps=0, density=density, model=model)
@@ -418,10 +429,7 @@ def test_reducer_states_with_missing_or_bad_stats(comm, algorithm, bad):
     else:
         with pytest.raises(TypeError, match="state stats"):
             red.load_state_dict(state)
-    for s in range(2, 4):
-        _backward(model, comm, s)
-        out = red.reduce()
-        assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
+    _reduce_alike(comm, model, red, range(2, 4))
     assert red.state_dict()["step"] == 4
     assert red.stats["steps"] >= 2
 
@@ -454,10 +462,7 @@ def test_reducer_states_with_bad_velocities_fail_at_the_load_everywhere(comm, ba
         error = (TypeError, ValueError)  # the other ranks name the last rank's type or its own
     with pytest.raises(error, match="velocit|rank"):
         red.load_state_dict(state)
-    for s in range(1, 3):
-        _backward(model, comm, s)
-        out = red.reduce()
-        assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
+    _reduce_alike(comm, model, red, range(1, 3))
     assert red.state_dict()["step"] == 3
 
 
@@ -465,12 +470,9 @@ def test_hook_states_with_bad_velocities_fail_at_the_first_step_everywhere(comm)
     """The DDP hook learns its layout at its first iteration: a loaded velocity of the wrong
     length on one rank is refused there, before the step's agreement, on every rank."""
     model = _model()
-    params = list(model.parameters())
 
     def step(hook, seed):
-        _backward(model, comm, seed)
-        buf = torch.cat([p.grad.flatten() for p in params])
-        return hook._bucket(FakeBucket(0, buf, params, True)).wait()
+        return _hook_step(comm, model, hook, seed)
 
     def hook_state():
         return st.SparseHookState(
@@ -513,8 +515,5 @@ def test_reducer_states_that_fail_in_other_ways_fail_everywhere(comm, bad):
         _BAD_REDUCER_STATES[bad](state)
     with pytest.raises((TypeError, ValueError), match="state|rank"):
         red.load_state_dict(state)
-    for s in range(1, 3):
-        _backward(model, comm, s)
-        out = red.reduce()
-        assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
+    _reduce_alike(comm, model, red, range(1, 3))
     assert red.state_dict()["step"] == 3
