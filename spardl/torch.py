@@ -515,15 +515,19 @@ def _loaded_stats(saved, live: dict) -> dict:
 
     Over the live keys, their counters at zero (a state without ``stats``, or None, starts
     them at zero; a counter it lacks, such as the ``steps`` an allreducer adds, starts at
-    zero), and every counter the messages count must be a non-negative integer, ``phases`` a
-    dict of such per-phase counters: checked before anything is loaded, so a bad one on any
-    rank fails the load on every rank instead of the next message's count on that rank alone.
+    zero), and every counter the messages count must be an integer in [0, 2**63), ``phases`` a
+    dict of such per-phase counters, a sum a step adds to a finite real number: checked before
+    anything is loaded, so a bad one on any rank fails the load on every rank instead of the
+    next message's count on that rank alone. Other keys (reports such as ``stats["auto"]``)
+    are taken as saved.
 
     Raises
     ------
     TypeError
-        If ``saved`` is not a dict (or None), or one of those counters is not a non-negative
-        integer, naming it.
+        If ``saved`` is not a dict (or None), ``phases`` is not a dict of dicts with the three
+        message counters, or a counter or sum is not a number of its kind, naming it.
+    ValueError
+        If a counter is negative (or 2**63 or more) or a sum is not finite, naming it.
     """
     base = {
         k: 0 if is_count(v) else {} if k == "phases" else copy.deepcopy(v) for k, v in live.items()
@@ -536,30 +540,33 @@ def _loaded_stats(saved, live: dict) -> dict:
         raise TypeError(f"state stats must be a dict, got {type(saved).__name__}")
     out = {**base, **copy.deepcopy(saved)}
     for key, value in out.items():
+        name = f"state stats[{key!r}]"
         if key == "phases":
             if not isinstance(value, dict) or not all(
                 isinstance(ph, dict)
-                and all(is_count(ph.get(c)) for c in ("messages", "bytes_sent", "bytes_received"))
-                and all(is_count(v) for v in ph.values())  # nothing else a count would break
+                and all(c in ph for c in ("messages", "bytes_sent", "bytes_received"))
                 for ph in value.values()
             ):
                 raise TypeError(
-                    "state stats['phases'] must map each phase to its non-negative integer "
-                    f"messages, bytes_sent and bytes_received, got {value!r}"
+                    f"{name} must map each phase to a dict of its messages, bytes_sent and "
+                    f"bytes_received, got {value!r}"
                 )
-            # Python integers: a NumPy one of a narrow type would wrap or overflow later.
-            out[key] = {name: {c: int(v) for c, v in ph.items()} for name, ph in value.items()}
+            # Every field a count (nothing else a count would break), as a Python integer: a
+            # NumPy one of a narrow type would wrap or overflow later.
+            out[key] = {
+                phase: {c: check_counter(f"{name}[{phase!r}][{c!r}]", v) for c, v in ph.items()}
+                for phase, ph in value.items()
+            }
         elif key in _COUNTERS or is_count(base.get(key)):
-            if not is_count(value):
-                raise TypeError(
-                    f"state stats[{key!r}] must be a non-negative integer, got {value!r}"
-                )
-            out[key] = int(value)
+            out[key] = check_counter(name, value)
         elif key in _SUMS or isinstance(base.get(key), float):
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-                raise TypeError(f"state stats[{key!r}] must be a real number, got {value!r}")
-            if not math.isfinite(float(value)):
-                raise TypeError(f"state stats[{key!r}] must be finite, got {value!r}")
+            value = check_float(name, value)
+            try:
+                finite = math.isfinite(value)  # an int past a float raises OverflowError
+            except OverflowError:
+                finite = False
+            if not finite:
+                raise ValueError(f"{name} must be finite, got {value!r}")
             out[key] = float(value)
     return out
 
@@ -2077,8 +2084,8 @@ class SparseGradientReducer(_Front):
         Raises
         ------
         TypeError
-            On every rank, before the allreduce, if a rank holds a sparse gradient (it names the
-            parameter).
+            On every rank, before the allreduce, if a rank holds a sparse gradient or one whose
+            dtype is not its parameter's (set through ``.data``); it names the parameter.
         ValueError
             On every rank, if a rank's gradient does not have its parameter's shape.
         """
@@ -2101,6 +2108,13 @@ class SparseGradientReducer(_Front):
                         err = ValueError(
                             f"parameter {self.names[i]}: .grad has shape {tuple(g.shape)}, "
                             f"the parameter {tuple(p.shape)}"
+                        )
+                    elif g.dtype != p.dtype:
+                        # Set through .data: copying it into the flat buffer would cast it
+                        # (a complex gradient would lose its imaginary part without a word).
+                        err = TypeError(
+                            f"parameter {self.names[i]}: .grad has dtype {g.dtype}, the "
+                            f"parameter {p.dtype}"
                         )
                 if g is None or err is not None:
                     flat[o[i] : o[i + 1]].zero_()

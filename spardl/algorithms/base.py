@@ -403,7 +403,10 @@ class Allreducer:
         except Exception as e:  # noqa: BLE001 - anything NumPy cannot view is a type error
             raise TypeError(f"grad must be a 1-D array, got {type(grad).__name__}") from e
         if g.dtype == object or (g.ndim == 0 and not isinstance(grad, np.ndarray)):
-            raise TypeError(f"grad must be a 1-D float array, got {type(grad).__name__}")
+            what = type(grad).__name__
+            if isinstance(grad, np.ndarray):
+                what = f"{what} of dtype {g.dtype}"
+            raise TypeError(f"grad must be a 1-D float array, got {what}")
         self._check_vector(g.ndim, g.shape, g.dtype)
         return g
 

@@ -356,7 +356,10 @@ class SparDL(Allreducer):
             return
         h = int(state["h"])
         if not self.h_min <= h <= self.k_b[self.p]:
-            raise ValueError(f"state has h={h}, outside [{self.h_min}, {self.k_b[self.p]}]")
+            raise ValueError(
+                f"state has h={h}, outside [{self.h_min}, {self.k_b[self.p]}], the range at its "
+                f"density {self.density!r} (did the state's density change without its h?)"
+            )
         self.selector.load_state_dict(state["selector"])
         self.h = h
 

@@ -121,6 +121,7 @@ def test_reducer_load_failing_on_one_rank_raises_everywhere_state_unchanged(comm
     [
         (None, "grad must be a 1-D float array, got NoneType"),
         (3.0, "grad must be a 1-D float array, got float"),
+        (np.array([1.0] * 10, object), "got ndarray of dtype object"),
         (torch.ones(10, requires_grad=True), r"requires grad: pass grad.detach\(\)"),
     ],
 )
@@ -176,6 +177,26 @@ def test_a_bad_gradient_on_one_rank_fails_everywhere_with_and_without_check(comm
         model[0].weight.grad = good.to_sparse()
     with pytest.raises(TypeError, match=r"parameter 0 has a sparse gradient"):
         red.reduce()
+    model[0].weight.grad = good
+    out = red.reduce()
+    assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
+
+
+def test_a_gradient_of_another_dtype_on_one_rank_fails_everywhere(comm):
+    """A complex ``.grad`` set through ``.data`` on the last rank: it was cast into the float
+    buffer (its imaginary part dropped without a word); now every rank raises, naming the
+    parameter and both dtypes, and the next step runs on every rank."""
+    model = _model()
+    red = st.SparseGradientReducer(model.parameters(), comm, density=0.25)
+    torch.manual_seed(RANK)
+    model(torch.randn(3, 8)).sum().backward()
+    good = model[0].weight.grad.clone()
+    if RANK == P - 1:
+        model[0].weight.grad.data = good.to(torch.complex64) + 1j
+    with pytest.raises(TypeError, match=r"parameter 0|rank") as info:
+        red.reduce()
+    if RANK == P - 1:
+        assert "dtype torch.complex64, the parameter torch.float32" in str(info.value)
     model[0].weight.grad = good
     out = red.reduce()
     assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P

@@ -70,6 +70,19 @@ def test_state_dict_carries_the_density(comm, algorithm):
     assert a.residual.tobytes() == b.residual.tobytes()
 
 
+def test_a_spardl_density_edited_without_its_h_names_the_density(comm):
+    """A SparDL state whose density was edited by hand (its h kept): the load refuses h and
+    says at which density it checked it, on every rank, and keeps the old state."""
+    n = 1000
+    a = spardl.make("spardl", comm, n, density=0.05)
+    a(grads_for(comm, n, np.float32, seed=3)[comm.rank])
+    state = a.state_dict()
+    state["density"] = 0.04
+    with pytest.raises(ValueError, match=r"h=\d+, outside .* at its density 0.04"):
+        a.load_state_dict(state)
+    assert a.density == 0.05
+
+
 @pytest.mark.parametrize("algorithm", ["spardl", "topka", "dense"])
 def test_density_change_on_one_rank_only_fails_everywhere(comm, algorithm):
     """One rank changes ρ, the others step: every rank raises (no hang), naming set_density;

@@ -390,26 +390,30 @@ def test_loaded_density_and_extra_of_the_wrong_kind_fail_everywhere(
     _still_in_step(comm, ar, before)
 
 
+_BAD_STATS = [  # (the last rank's stats, the error of its load: None if it loads)
+    ("missing", None),
+    (None, None),
+    ("narrow", None),  # a NumPy uint8 counter: loaded as a Python int (it overflowed a later count)
+    ([1, 2], TypeError),
+    ({"messages": -1}, ValueError),
+    ({"steps": 2**63}, ValueError),
+    ({"phases": {"x": 1}}, TypeError),
+    ({"phases": {"x": {"messages": 1, "bytes_sent": 2, "bytes_received": 3, "e": "x"}}}, TypeError),
+    ({"phases": {"x": {"messages": 1, "bytes_sent": -2, "bytes_received": 3}}}, ValueError),
+    ({"dropped_mass": "x"}, TypeError),  # a sum a step adds to (gTop-k's), not a number
+    ({"dropped_mass": float("nan")}, ValueError),
+]
+
+
 @pytest.mark.parametrize("algorithm", ["spardl", "topka", "auto"])
-@pytest.mark.parametrize(
-    "bad",
-    [
-        "missing",
-        None,
-        "narrow",  # a NumPy uint8 counter: loaded as a Python int (it overflowed a later count)
-        [1, 2],
-        {"messages": -1},
-        {"phases": {"x": 1}},
-        {"phases": {"x": {"messages": 1, "bytes_sent": 2, "bytes_received": 3, "extra": "x"}}},
-        {"dropped_mass": "x"},  # a sum a step adds to (gTop-k's), not a number
-    ],
-)
-def test_reducer_states_with_missing_or_bad_stats(comm, algorithm, bad):
+@pytest.mark.parametrize(("bad", "error"), _BAD_STATS)
+def test_reducer_states_with_missing_or_bad_stats(comm, algorithm, bad, error):
     """The saved message counters on the last rank: missing or None start at zero (and the
     counters an allreducer adds, ``steps`` among them, keep counting); anything else that is not
-    a dict of non-negative counters raises at the load on every rank. Either way the next steps
-    run on every rank (a counter the state lacked once failed the next message on that rank
-    alone, and with SparDL's teams inside the load itself)."""
+    a dict of counters in [0, 2**63) and finite sums raises at the load on every rank, with the
+    last rank's type (TypeError for a field of the wrong kind, ValueError for a bad value).
+    Either way the next steps run on every rank (a counter the state lacked once failed the
+    next message on that rank alone, and with SparDL's teams inside the load itself)."""
     model = _model()
     opts = _load_options(comm, algorithm)
     red = st.SparseGradientReducer(model.parameters(), comm, algorithm, density=0.1, **opts)
@@ -424,10 +428,10 @@ def test_reducer_states_with_missing_or_bad_stats(comm, algorithm, bad):
             state["stats"]["bytes_sent"] = np.uint8(250)
         else:
             state["stats"] = bad
-    if bad in ("missing", None, "narrow"):
+    if error is None:
         red.load_state_dict(state)
     else:
-        with pytest.raises(TypeError, match="state stats"):
+        with pytest.raises(error, match="state stats"):
             red.load_state_dict(state)
     _reduce_alike(comm, model, red, range(2, 4))
     assert red.state_dict()["step"] == 4
