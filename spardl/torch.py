@@ -354,9 +354,9 @@ def _layout(names, params) -> str:
     return f"n={n}, {len(params)} tensors, layout hash {name_hash(shapes)}"
 
 
-def _named_trainable(params) -> list:
+def _named_trainable(params) -> tuple[list, list]:
     """The (name, parameter) pairs of ``params`` with ``requires_grad``, named by their position
-    unless given as (name, parameter) pairs.
+    unless given as (name, parameter) pairs, and those of the others (frozen).
 
     Raises
     ------
@@ -371,7 +371,7 @@ def _named_trainable(params) -> list:
             "params must be an iterable of parameters (model.parameters()), got a "
             "single Tensor; pass [tensor]"
         )
-    named = []
+    named, frozen = [], []
     seen = {}
     for i, item in enumerate(params):
         name, p = item if isinstance(item, tuple) else (str(i), item)
@@ -380,14 +380,13 @@ def _named_trainable(params) -> list:
         if id(p) in seen:
             raise ValueError(f"params holds the same parameter twice ({seen[id(p)]} and {name})")
         seen[id(p)] = name
-        if p.requires_grad:
-            named.append((name, p))
+        (named if p.requires_grad else frozen).append((name, p))
     if not named:
         raise ValueError("params holds no parameter with requires_grad=True")
     bad = sorted({str(p.dtype) for _, p in named if not p.dtype.is_floating_point})
     if bad:
         raise TypeError(f"params must be floating point, got dtype(s) {bad}")
-    return named
+    return named, frozen
 
 
 _ANNOUNCED = False
@@ -422,11 +421,16 @@ def _announce_compile(rank: int) -> None:
 
 
 def _flat_dtype(dtypes) -> torch.dtype:
-    """The dtype of the flat buffer: the parameters' one dtype if NumPy has it, else float32
-    (bfloat16 and mixed models accumulate in float32)."""
+    """The dtype of the flat buffer: the parameters' one dtype if NumPy has it; for a mixed
+    model float64 if one of them is float64 (a float64 gradient reduced in float32 lost its
+    low bits, and a finite one past 3.4e38 became Inf), else float32 (bfloat16, and float16
+    beside other dtypes, accumulate in float32)."""
     dtypes = set(dtypes)
-    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    return dtype if dtype in (torch.float16, torch.float32, torch.float64) else torch.float32
+    if torch.float64 in dtypes:
+        return torch.float64
+    if dtypes == {torch.float16}:
+        return torch.float16
+    return torch.float32
 
 
 def _future(buf: torch.Tensor) -> torch.futures.Future:
@@ -602,6 +606,25 @@ def _raise_after_backward(err: BaseException) -> None:
         raise err from None
 
 
+def _check_frozen_everywhere(names, frozen: np.ndarray, P: int) -> None:
+    """Raise (on every rank: ``frozen`` is a reduced count) if a parameter is frozen on some
+    ranks and not on others: the ranks that froze it would keep their own gradient while the
+    others apply the mean, and the replicas drift apart.
+
+    Raises
+    ------
+    ValueError
+        Naming the first such parameter and on how many of the P ranks it is frozen.
+    """
+    some = np.flatnonzero((frozen > 0) & (frozen < P))
+    if some.size:
+        i = int(some[0])
+        raise ValueError(
+            f"parameter {names[i]} is frozen (requires_grad=False) on {int(frozen[i])} of "
+            f"{P} ranks: freeze or unfreeze it on every rank"
+        )
+
+
 def _step_control(
     ctl: Comm, err, local: np.ndarray, check: bool, what: str, *more: int
 ) -> np.ndarray:
@@ -682,10 +705,11 @@ class _Core:
         self.n = int(self.offsets[-1])
         self.flat = torch.zeros(self.n, dtype=dtype, device=device)
         o, limit = self.offsets, self.tech.dense_numel
-        self.small = [(o[i], o[i + 1]) for i, m in enumerate(self.numels) if m <= limit]
+        # A parameter of no elements is in no slice (a dense allreducer of n = 0 would fail).
+        self.small = [(o[i], o[i + 1]) for i, m in enumerate(self.numels) if 0 < m <= limit]
         # Every parameter small (a whole model, or one DDP bucket in overlap mode): nothing is
         # left to sparsify, and the whole vector is reduced dense on every step.
-        self.all_small = bool(self.numels) and len(self.small) == len(self.numels)
+        self.all_small = self.n > 0 and all(m <= limit for m in self.numels)
         if self.all_small:
             self.small = []
 
@@ -2026,9 +2050,9 @@ class SparseGradientReducer(_Front):
         **options,
     ):
         err, tech = None, None
-        named = []
+        named, frozen = [], []
         try:
-            named = _named_trainable(params)
+            named, frozen = _named_trainable(params)
             self._warmup = _check_warmup(warmup_steps)
             tech = _Techniques(
                 momentum_correction,
@@ -2041,9 +2065,11 @@ class SparseGradientReducer(_Front):
                 residual=options.get("residual", "global"),
             )
         except (TypeError, ValueError) as e:
-            err, named, self._warmup, tech = e, [], 0, None
+            err, named, frozen, self._warmup, tech = e, [], [], 0, None
         self.params = [p for _, p in named]
         self.names = [k for k, _ in named]
+        # Frozen when it was built: a gradient there later is reduced by no rank (an error).
+        self._frozen = frozen
         self.n = int(sum(p.numel() for p in self.params))
         self.algorithm = algorithm
         self._core = _Core(comm, algorithm, self._warmup, options, tech)
@@ -2072,8 +2098,8 @@ class SparseGradientReducer(_Front):
 
         A parameter that has a gradient on some rank is reduced (a rank without one contributes
         zeros and receives the result). A parameter without a gradient on every rank, or frozen
-        (``requires_grad=False``) since the reducer was built, is left alone: its ``.grad`` stays
-        as it is (None) and its residual is kept for a later step.
+        (``requires_grad=False``) on every rank since the reducer was built, is left alone: its
+        ``.grad`` stays as it is (None) and its residual is kept for a later step.
 
         Returns
         -------
@@ -2087,16 +2113,21 @@ class SparseGradientReducer(_Front):
             On every rank, before the allreduce, if a rank holds a sparse gradient or one whose
             dtype is not its parameter's (set through ``.data``); it names the parameter.
         ValueError
-            On every rank, if a rank's gradient does not have its parameter's shape.
+            On every rank, if a rank's gradient does not have its parameter's shape, a parameter
+            is frozen on some ranks and not on others, or one that was frozen when the reducer
+            was built has a gradient.
         """
         self._check_open()
         core, flat, o = self._core, self._flat, self._offsets
-        m = len(self.params)
+        m, P = len(self.params), core.ctl.size
         local = np.zeros(1 + m, dtype=np.int64)
-        err = None
+        err = self._unfrozen_error()
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 g = p.grad if p.requires_grad else None
+                if not p.requires_grad:
+                    # Counted in units of P + 1 beside the ranks that used it (at most P).
+                    local[1 + i] = P + 1
                 if g is not None and err is None:
                     if g.layout != torch.strided:
                         err = TypeError(
@@ -2122,7 +2153,9 @@ class SparseGradientReducer(_Front):
                     flat[o[i] : o[i + 1]].copy_(g.reshape(-1))
                     local[1 + i] = 1
             total = _step_control(core.ctl, err, local, core.options.get("check", True), "reduce")
-            used = total[1:] > 0
+            frozen, used = np.divmod(total[1:], P + 1)
+            _check_frozen_everywhere(self.names, frozen, P)
+            used = used > 0
             out = core.run([(o[i], o[i + 1]) for i in np.flatnonzero(~used)])
             for i, p in enumerate(self.params):
                 if not used[i] or not p.requires_grad:
@@ -2134,6 +2167,18 @@ class SparseGradientReducer(_Front):
                     p.grad.copy_(g)
         self.last_result = out
         return out
+
+    def _unfrozen_error(self):
+        """A ValueError naming the first parameter that was frozen when the reducer was built
+        and now has a gradient (None if there is none)."""
+        for name, p in self._frozen:
+            if p.requires_grad and p.grad is not None:
+                return ValueError(
+                    f"parameter {name} was frozen (requires_grad=False) when the "
+                    "SparseGradientReducer was built and now has a gradient, which no rank "
+                    "reduces: build the reducer again after unfreezing it"
+                )
+        return None
 
     def state_dict(self) -> dict:
         """As :meth:`_Front.state_dict`, with ``n`` (the number of reduced elements)."""

@@ -202,6 +202,44 @@ def test_a_gradient_of_another_dtype_on_one_rank_fails_everywhere(comm):
     assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
 
 
+def test_a_parameter_frozen_on_some_ranks_only_fails_everywhere(comm):
+    """A parameter frozen after the reducer was built on the last rank only: that rank kept its
+    own gradient while the others applied the mean (the replicas drifted apart). Every rank
+    raises, naming it; frozen on every rank it is left alone, as before."""
+    model = _model()
+    red = st.SparseGradientReducer(model.named_parameters(), comm, density=0.25)
+    torch.manual_seed(RANK)
+    model(torch.randn(3, 8)).sum().backward()
+    weight = model[1].weight
+    if RANK == P - 1:
+        weight.requires_grad_(False)
+    if P > 1:
+        with pytest.raises(ValueError, match=rf"parameter 1.weight is frozen .* on 1 of {P} ranks"):
+            red.reduce()
+    weight.requires_grad_(False)
+    kept = weight.grad.clone()
+    out = red.reduce()
+    assert torch.equal(weight.grad, kept)
+    assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
+
+
+def test_a_parameter_unfrozen_after_the_reducer_was_built_fails_everywhere(comm):
+    """A parameter frozen when the reducer was built and unfrozen later (on the last rank, say)
+    gets a gradient that no rank reduces: every rank raises, naming it."""
+    model = _model()
+    model[1].bias.requires_grad_(False)
+    red = st.SparseGradientReducer(model.named_parameters(), comm, density=0.25)
+    if RANK == P - 1:
+        model[1].bias.requires_grad_(True)
+    torch.manual_seed(RANK)
+    model(torch.randn(3, 8)).sum().backward()
+    with pytest.raises(ValueError, match=r"parameter 1.bias was frozen|rank"):
+        red.reduce()
+    model[1].bias.grad = None  # frozen again, or its gradient dropped: reduced as before
+    out = red.reduce()
+    assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
+
+
 def test_ranks_that_fail_with_different_types_raise_one_type(comm):
     """Rank 1 passes a density of the wrong type (TypeError), rank 2 one out of range
     (ValueError): every rank raises the first failing rank's type, so that one ``except``
