@@ -492,6 +492,7 @@ RUN_OPTIONS = (
     "density_warmup",
     "warmup_density",
     "dense_numel",
+    "wire",  # "compact" rounds the values sent to 16 bits: another run
 )
 
 
@@ -934,6 +935,11 @@ def run(args, world) -> dict | None:
     }
     if auto is not None:
         metrics["auto"] = auto
+    if resumed is not None:
+        # Where this run took over; at another world size the per-rank byte counts of the
+        # history restart there (a new rank's counters start at zero, a removed rank's go).
+        at = {k: resumed[k] for k in ("epoch", "step") if k in resumed}
+        metrics["resumed_from"] = {"world_size": _saved_world_size(resumed), **at}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
@@ -993,14 +999,14 @@ def _gradient_allreduce(args, world, model):
         from .torch import init_process_group_from_mpi
 
         init_process_group_from_mpi(world)
-        warm = 2 if args.warmup_steps is None else args.warmup_steps
+        warm = _warmup_steps(args)
         hook_state = SparseHookState(
             world, args.algorithm, warmup_steps=warm, model=model, **options
         )
         net = DDP(model)
         net.register_comm_hook(hook_state, sparse_allreduce_hook)
         return net, None, hook_state
-    warm = 0 if args.warmup_steps is None else args.warmup_steps
+    warm = _warmup_steps(args)
     reducer = SparseGradientReducer(
         model.named_parameters(), world, args.algorithm, warmup_steps=warm, **options
     )
@@ -1040,6 +1046,14 @@ def _load_checkpoint(ck: dict, model, opt, target, job) -> None:
         target.load_state_dict(ck["reducer"])
 
 
+def _warmup_steps(args) -> int:
+    """The dense warm-up steps: --warmup-steps, else 2 for the DDP hook (its default) and 0
+    for the reducer."""
+    if args.warmup_steps is not None:
+        return args.warmup_steps
+    return 2 if args.hook == "ddp" else 0
+
+
 def _run_metrics(args, P: int, n_params: int) -> dict:
     """The run's options as metrics.json records them (before the task's own metrics)."""
     return {
@@ -1059,6 +1073,8 @@ def _run_metrics(args, P: int, n_params: int) -> dict:
         "density_warmup": args.density_warmup,
         "warmup_density": args.warmup_density if args.density_warmup else None,
         "dense_numel": args.dense_numel,
+        "warmup_steps": _warmup_steps(args),
+        "wire": args.wire,
         "optimizer_momentum": _optimizer_momentum(args),
         "width": args.width,
         "model": args.model,

@@ -80,6 +80,8 @@ def test_smoke_one_epoch_writes_metrics(one_epoch, runs):
     assert m["final_test_accuracy"] > 0.1  # better than chance after one epoch
     assert m["bytes_sent_per_rank"] > 0 and m["wall_seconds"] > 0
     assert len(m["bytes_sent_by_rank"]) == 2
+    assert m["wire"] == "coo" and m["warmup_steps"] == 0  # the reducer's default, resolved
+    assert "resumed_from" not in m
     png = runs / "one" / "training.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "epoch   1/2" in one_epoch.stdout
@@ -132,11 +134,17 @@ def test_resume_at_another_world_size(one_epoch, runs):
     allreducer's step and the history carried over, and the run finishes its schedule."""
     proc = run_mpi(
         3,
-        [*COMMON, "--epochs", "2", "--resume", str(runs / "ck1"), "--checkpoint", str(runs / "p3")],
+        [
+            *COMMON,
+            *("--epochs", "2", "--resume", str(runs / "ck1"), "--checkpoint", str(runs / "p3")),
+            *("--out", str(runs / "p3out")),
+        ],
         timeout=240,
         env=ENV,
     )
     assert "resumed at P=3 from a checkpoint of P=2" in proc.stdout
+    m = json.loads((runs / "p3out" / "metrics.json").read_text())
+    assert m["world_size"] == 3 and m["resumed_from"] == {"world_size": 2, "epoch": 1}
     old = [_load(runs / f"ck1.rank{r}.pt") for r in range(2)]
     new = [_load(runs / f"p3.rank{r}.pt") for r in range(3)]
     steps_per_epoch = {ck["options"]["world_size"]: ck["reducer"]["step"] for ck in old}
@@ -334,6 +342,7 @@ def test_lm_sizes_are_bounded_usage_errors(option, message):
         (2, ["--density", "0.5"], "saved with --density 0.01; this run has --density 0.5"),
         (2, ["--hook", "ddp"], "saved with --hook reducer; this run has --hook ddp"),
         (2, ["--algorithm", "topka"], "saved with --algorithm spardl"),
+        (2, ["--wire", "compact"], "saved with --wire coo; this run has --wire compact"),
         # At another world size (an elastic resume) the other options must match all the same:
         # another algorithm, another n (the model's width).
         (
