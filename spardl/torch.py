@@ -1140,6 +1140,10 @@ class _Core:
             load(saved)
             return
         same = list(state["keys"]) == self.keys and list(state["numels"]) == self.numels
+        # Saved from parameters of another dtype (a model cast since, or mixed dtypes reduced in
+        # float32 before float64 joined): the residuals are converted by parameter.
+        flat_dtype = str(self.flat.dtype).removeprefix("torch.")
+        same = same and (not isinstance(saved, dict) or saved.get("dtype") in (None, flat_dtype))
         if same and not state.get("by_key"):  # by_key: residuals only (overlap mode's states)
             load(saved)
             return
@@ -1154,7 +1158,7 @@ class _Core:
                 f"the state holds residuals of parameters {lost} that are not reduced here"
             )
         fresh = ar.state_dict()
-        dtype = np.dtype(str(self.flat.dtype).removeprefix("torch."))
+        dtype = np.dtype(flat_dtype)
         new = np.zeros(self.n, dtype=np.float32 if dtype == np.float16 else dtype)
         for i, k in enumerate(self.keys):
             if k in old:

@@ -73,3 +73,39 @@ def test_float64_parameters_beside_float32_ones_keep_their_precision():
     np.testing.assert_allclose(got[0].numpy(), want[0], rtol=1e-6)
     assert got[1].dtype == torch.float64
     np.testing.assert_allclose(got[1].numpy(), want[1], rtol=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"), [(torch.float32, torch.float64), (torch.float64, None)]
+)
+def test_a_state_of_another_dtype_loads_by_parameter(saved, loaded):
+    """A reducer state saved with the parameters in one dtype, loaded where one of them has
+    another (the model cast since, or a float64 parameter beside float32 ones): each residual
+    is converted into the new buffer and the next steps run on every rank (the state was taken
+    whole, and the next step failed with "grad dtype changed")."""
+
+    def reducer(dtype):
+        torch.manual_seed(0)
+        params = [("a", torch.nn.Parameter(torch.zeros(6)))]
+        params.append(("b", torch.nn.Parameter(torch.zeros(4, dtype=dtype or torch.float32))))
+        return params, st.SparseGradientReducer(params, COMM, density=0.25)
+
+    def step(params, red, seed):
+        for p, g in zip(
+            [p for _, p in params],
+            _grads([(p.shape, p.dtype) for _, p in params], seed),
+            strict=True,
+        ):
+            p.grad = g * (seed + 1)
+        return red.reduce()
+
+    old_params, old = reducer(saved)
+    for s in range(2):
+        step(old_params, old, s)
+    params, red = reducer(loaded)
+    red.load_state_dict(old.state_dict())
+    for k, res in old.residuals().items():
+        np.testing.assert_allclose(red.residuals()[k], res, rtol=1e-6)
+    out = step(params, red, 2)
+    assert COMM.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
+    assert red.state_dict()["step"] == 3
