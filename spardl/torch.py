@@ -1152,7 +1152,7 @@ class _Core:
             return
         offs = np.cumsum([0, *state["numels"]]).tolist()
         old = {k: res[offs[i] : offs[i + 1]] for i, k in enumerate(state["keys"])}
-        lost = sorted(set(old) - set(self.keys))
+        lost = sorted(k for k in set(old) - set(self.keys) if len(old[k]))  # of no elements: none
         if lost:
             raise ValueError(
                 f"the state holds residuals of parameters {lost} that are not reduced here"

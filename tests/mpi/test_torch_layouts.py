@@ -109,3 +109,18 @@ def test_a_state_of_another_dtype_loads_by_parameter(saved, loaded):
     out = step(params, red, 2)
     assert COMM.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
     assert red.state_dict()["step"] == 3
+
+
+def test_a_state_with_parameters_of_no_elements_loads_where_they_are_gone():
+    """The residuals of parameters of no elements hold nothing: a state that has them loads
+    into a reducer without them (it was refused as "residuals of parameters ... that are not
+    reduced here")."""
+    shapes = [((5,), torch.float32), ((0,), torch.float32)]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=d)) for s, d in shapes]
+    red = st.SparseGradientReducer(list(zip("az", params, strict=True)), COMM, density=0.4)
+    for p, g in zip(params, _grads(shapes, seed=3), strict=True):
+        p.grad = g
+    red.reduce()
+    fewer = st.SparseGradientReducer([("a", params[0])], COMM, density=0.4)
+    fewer.load_state_dict(red.state_dict())
+    np.testing.assert_array_equal(fewer.residuals()["a"], red.residuals()["a"])
