@@ -2096,6 +2096,8 @@ class SparseGradientReducer(_Front):
         self._flat = self._core.flat
         self._offsets = self._core.offsets
         self.last_result = None
+        # (index, .grad tensor, its version) of every gradient the last reduce() wrote.
+        self._written = []
 
     def reduce(self):
         """Average the gradients over the ranks (sparsely) and write them back into ``.grad``.
@@ -2118,14 +2120,15 @@ class SparseGradientReducer(_Front):
             dtype is not its parameter's (set through ``.data``); it names the parameter.
         ValueError
             On every rank, if a rank's gradient does not have its parameter's shape, a parameter
-            is frozen on some ranks and not on others, or one that was frozen when the reducer
-            was built has a gradient.
+            is frozen on some ranks and not on others, one that was frozen when the reducer was
+            built has a gradient, or a rank calls reduce() again with no gradient changed since
+            the last one (no backward pass in between).
         """
         self._check_open()
         core, flat, o = self._core, self._flat, self._offsets
         m, P = len(self.params), core.ctl.size
         local = np.zeros(1 + m, dtype=np.int64)
-        err = self._unfrozen_error()
+        err = self._unfrozen_error() or self._again_error()
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 g = p.grad if p.requires_grad else None
@@ -2169,8 +2172,33 @@ class SparseGradientReducer(_Front):
                     p.grad = g.to(p.device, p.dtype, copy=True)
                 else:
                     p.grad.copy_(g)
+            self._written = [
+                (i, p.grad, p.grad._version)
+                for i, p in enumerate(self.params)
+                if used[i] and p.requires_grad
+            ]
         self.last_result = out
         return out
+
+    def _again_error(self):
+        """A ValueError if no gradient changed since the last reduce() wrote them (the same
+        tensors, not modified in place, and no other gradient): reducing the reduced gradient
+        again would apply it twice and send the residuals once more (None otherwise)."""
+        if not self._written:
+            return None
+        written = {i for i, _, _ in self._written}
+        for i, t, version in self._written:
+            g = self.params[i].grad
+            if g is not t or g._version != version:
+                return None
+        for i, p in enumerate(self.params):
+            if i not in written and p.requires_grad and p.grad is not None:
+                return None
+        return ValueError(
+            "reduce() was called again with no backward pass since the last one: every .grad "
+            "still holds the reduced gradient it wrote (run backward first, zeroing the "
+            "gradients between steps)"
+        )
 
     def _unfrozen_error(self):
         """A ValueError naming the first parameter that was frozen when the reducer was built

@@ -240,6 +240,31 @@ def test_a_parameter_unfrozen_after_the_reducer_was_built_fails_everywhere(comm)
     assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
 
 
+def test_reduce_again_with_no_backward_fails_everywhere(comm):
+    """reduce() twice with no backward pass in between (on the last rank; the others ran one):
+    the reduced gradient would be reduced again, with the residuals sent once more. Every rank
+    raises; a gradient changed in place (clipped) counts as new, and so does a backward."""
+    model = _model()
+    red = st.SparseGradientReducer(model.parameters(), comm, density=0.25)
+
+    def backward(seed):
+        torch.manual_seed(100 * seed + RANK)
+        model.zero_grad()
+        model(torch.randn(3, 8)).sum().backward()
+
+    backward(0)
+    red.reduce()
+    if RANK != P - 1:
+        backward(1)
+    with pytest.raises(ValueError, match="reduce\\(\\) was called again with no backward|rank"):
+        red.reduce()
+    backward(2)
+    red.reduce()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # in place: a new gradient
+    out = red.reduce()
+    assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
+
+
 def test_ranks_that_fail_with_different_types_raise_one_type(comm):
     """Rank 1 passes a density of the wrong type (TypeError), rank 2 one out of range
     (ValueError): every rank raises the first failing rank's type, so that one ``except``
