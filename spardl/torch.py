@@ -21,6 +21,7 @@ import os
 import queue
 import socket
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -2096,7 +2097,8 @@ class SparseGradientReducer(_Front):
         self._flat = self._core.flat
         self._offsets = self._core.offsets
         self.last_result = None
-        # (index, .grad tensor, its version) of every gradient the last reduce() wrote.
+        # (index, a weak reference to the .grad tensor, its version) of every gradient the
+        # last reduce() wrote.
         self._written = []
 
     def reduce(self):
@@ -2172,8 +2174,8 @@ class SparseGradientReducer(_Front):
                     p.grad = g.to(p.device, p.dtype, copy=True)
                 else:
                     p.grad.copy_(g)
-            self._written = [
-                (i, p.grad, p.grad._version)
+            self._written = [  # weak: a gradient dropped by zero_grad() is freed
+                (i, weakref.ref(p.grad), p.grad._version)
                 for i, p in enumerate(self.params)
                 if used[i] and p.requires_grad
             ]
@@ -2187,9 +2189,9 @@ class SparseGradientReducer(_Front):
         if not self._written:
             return None
         written = {i for i, _, _ in self._written}
-        for i, t, version in self._written:
+        for i, ref, version in self._written:
             g = self.params[i].grad
-            if g is not t or g._version != version:
+            if g is None or g is not ref() or g._version != version:
                 return None
         for i, p in enumerate(self.params):
             if i not in written and p.requires_grad and p.grad is not None:
