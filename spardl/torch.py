@@ -2184,7 +2184,7 @@ class SparseGradientReducer(_Front):
 
     def _again_error(self):
         """A ValueError if no gradient changed since the last reduce() wrote them (the same
-        tensors, not modified in place, and no other gradient): reducing the reduced gradient
+        tensors, with the values written, and no other gradient): reducing the reduced gradient
         again would apply it twice and send the residuals once more (None otherwise)."""
         if not self._written:
             return None
@@ -2195,6 +2195,13 @@ class SparseGradientReducer(_Front):
                 return None
         for i, p in enumerate(self.params):
             if i not in written and p.requires_grad and p.grad is not None:
+                return None
+        # Changes through .data bump no version: the values must be those written (the flat
+        # buffer still holds them).
+        o = self._offsets
+        for i, _, _ in self._written:
+            g = self.params[i].grad
+            if not torch.equal(g.reshape(-1), self._flat[o[i] : o[i + 1]].to(g.device, g.dtype)):
                 return None
         return ValueError(
             "reduce() was called again with no backward pass since the last one: every .grad "

@@ -261,6 +261,8 @@ def test_reduce_again_with_no_backward_fails_everywhere(comm):
     backward(2)
     red.reduce()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # in place: a new gradient
+    red.reduce()
+    model[0].bias.grad.data.mul_(2)  # through .data (no version bump): new values all the same
     out = red.reduce()
     assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * P
 
