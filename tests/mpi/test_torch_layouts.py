@@ -41,7 +41,7 @@ def _reduce(kind, params, grads, **options):
         red.reduce()
         return [p.grad for p in params]
     hook = st.SparseHookState(COMM, "spardl", warmup_steps=0, density=1.0, **options)
-    buf = torch.cat([p.grad.flatten().to(torch.float64) for p in params])
+    buf = torch.cat([p.grad.flatten() for p in params])  # one dtype, as DDP buckets are
     out = hook._bucket(FakeBucket(0, buf, params, True)).wait()
     return list(torch.split(out, [p.numel() for p in params]))
 
