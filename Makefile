@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.spardl-installed
 
-.PHONY: install test test-local test-cudasim test-fast lint train bench clean
+.PHONY: install test test-local test-bounds test-cluster test-cudasim test-fast lint train bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,17 +19,26 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# The stages that keep about one core busy (single-process tests; the CUDA simulator) run two
-# at a time, each one's output printed whole when it ends; then the tests under mpiexec, which
-# oversubscribe every core by themselves, run alone.
+# The stages that keep about one core busy run two at a time, in this order, each one's output
+# printed whole when it ends: the single-process tests (they compile the kernels into Numba's
+# on-disk cache), the CUDA simulator, the bounds-checked kernels (their own cache) and the runs
+# across emulated nodes (after the first stage, so their ranks load the compiled kernels instead
+# of each compiling them at once). Then the tests under mpiexec, which oversubscribe every core
+# by themselves, run alone.
 test: $(STAMP)
 	$(MAKE) --no-print-directory lint
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-local test-cudasim
+	$(MAKE) --no-print-directory -j2 --output-sync=target \
+		test-local test-cudasim test-bounds test-cluster
 	$(PY) -m pytest -q --durations=10 -m mpi
 
 test-local: $(STAMP)
-	$(PY) -m pytest -q --durations=5 -m "not mpi"
+	$(PY) -m pytest -q --durations=5 -m "not mpi and not cluster"
+
+test-bounds: $(STAMP)
 	NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=$(VENV)/numba-boundscheck $(PY) -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_cases.py
+
+test-cluster: $(STAMP)
+	$(PY) -m pytest -q --durations=3 -m "cluster and not mpi"
 
 test-cudasim: $(STAMP)
 	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider -m cudasim tests/test_cuda_kernels.py tests/test_gpu_pipeline.py

@@ -883,18 +883,20 @@ def run(args, world) -> dict | None:
     ValueError, TypeError
         The allreducer's own checks, on every rank.
     """
-    import torch
-
     from .comm import Comm
 
     _resolve_task(args)
     _check_args(args, world.Get_size())
     t_start = time.perf_counter()
-    torch.set_num_threads(1)  # P ranks share the machine's cores
-    torch.use_deterministic_algorithms(True)
     job = Comm(world)  # the job's own small collectives, kept out of the allreducer's counters
     rank, P = job.rank, job.size
     _check_paths(args, job)
+    # torch is imported after the checks that do not need it: a usage error ends the job at
+    # once, not after every rank has loaded torch (seconds each on a shared machine).
+    import torch
+
+    torch.set_num_threads(1)  # P ranks share the machine's cores
+    torch.use_deterministic_algorithms(True)
     resumed_ck = _check_resume(args, job)
 
     data, model, loop = _task_setup(args, rank, P)
