@@ -9,7 +9,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.spardl-installed
 
-.PHONY: install test test-local test-bounds test-cluster test-cudasim test-fast lint train bench clean
+.PHONY: install test test-local test-bounds test-cluster test-cudasim test-cudasim-kernels \
+	test-fast lint train bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,16 +20,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# The stages that keep about one core busy run two at a time, in this order, each one's output
-# printed whole when it ends: the single-process tests (they compile the kernels into Numba's
-# on-disk cache), the CUDA simulator, the bounds-checked kernels (their own cache) and the runs
-# across emulated nodes (after the first stage, so their ranks load the compiled kernels instead
-# of each compiling them at once). Then the tests under mpiexec, which oversubscribe every core
-# by themselves, run alone.
+# The stages below run two at a time, in this order (longest first, so that no long one is
+# left to run alone at the end), each one's output printed whole when it ends: the
+# single-process tests (they compile the kernels into Numba's on-disk cache), the CUDA
+# simulator's pipeline at P = 4, the bounds-checked kernels (their own cache), the simulator's
+# kernels, its pipeline at P = 1 and, last, the runs across emulated nodes (by then the first
+# stage has compiled the kernels, so their ranks load them instead of each compiling them at
+# once). Then the tests under mpiexec, which oversubscribe every core by themselves, run alone.
 test: $(STAMP)
 	$(MAKE) --no-print-directory lint
-	$(MAKE) --no-print-directory -j2 --output-sync=target \
-		test-local test-cudasim test-bounds test-cluster
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-local test-cudasim-pipeline-4 \
+		test-bounds test-cudasim-kernels test-cudasim-pipeline-1 test-cluster
 	$(PY) -m pytest -q --durations=10 -m mpi
 
 test-local: $(STAMP)
@@ -40,8 +42,15 @@ test-bounds: $(STAMP)
 test-cluster: $(STAMP)
 	$(PY) -m pytest -q --durations=3 -m "cluster and not mpi"
 
-test-cudasim: $(STAMP)
-	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider -m cudasim tests/test_cuda_kernels.py tests/test_gpu_pipeline.py
+# The CUDA kernels and the GPU pipeline (under mpiexec at P = 1 and 4) on the Numba simulator.
+test-cudasim: test-cudasim-kernels test-cudasim-pipeline-1 test-cudasim-pipeline-4
+
+test-cudasim-kernels: $(STAMP)
+	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider -m cudasim tests/test_cuda_kernels.py
+
+test-cudasim-pipeline-%: $(STAMP)
+	NUMBA_ENABLE_CUDASIM=1 $(PY) -m pytest -q -p no:cacheprovider -m cudasim \
+		"tests/test_gpu_pipeline.py::test_gpu_pipeline_under_mpiexec[$*]"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not mpi"

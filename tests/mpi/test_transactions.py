@@ -48,10 +48,10 @@ IDS = [f"{a}-" + "-".join(f"{k}={v}" for k, v in o.items()) for a, o in CONFIGS]
 FAILURES = ["nan_raises", "inf_skipped", "bad_length", "dtype_changed", "ranks_disagree"]
 WIRES = ["coo", "compact"]
 
-# Up to this world size the two tests below run every configuration with every failure kind
-# (every dtype and op). Above it (P = 5, 6 and 8 oversubscribe the test machine's cores several
-# times), each configuration runs with one of them, taken in turn from an offset of P, so that
-# P = 5, 6 and 8 together still run every algorithm with every kind (every dtype and op).
+# Up to this world size the tests below built with _crossed run every configuration with every
+# failure kind (every dtype and op, both wires). Above it (P = 5, 6 and 8 oversubscribe the
+# test machine's cores several times), each configuration runs with one of them, taken in turn
+# from an offset of P, so that P = 5, 6 and 8 together still run every algorithm with every one.
 FULL_PRODUCT_MAX_P = 4
 
 
