@@ -252,8 +252,9 @@ def test_a_rejected_load_at_another_density_leaves_the_state_unchanged(comm, alg
 # vectors whatever the wire: with "coo" only
 WIRED = []
 for _a, _o, _w in _crossed(WIRES):
-    if (_a, _o, "coo" if _a == "dense" else _w) not in WIRED:
-        WIRED.append((_a, _o, "coo" if _a == "dense" else _w))
+    _case = (_a, _o, "coo" if _a == "dense" else _w)
+    if _case not in WIRED:
+        WIRED.append(_case)
 WIRED_IDS = [f"{a}-{w}-" + "-".join(f"{k}={v}" for k, v in o.items()) for a, o, w in WIRED]
 
 
