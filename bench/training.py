@@ -221,6 +221,9 @@ def _args(argv):
     p.add_argument("--epochs", type=int, default=None, help="default: the train default")
     p.add_argument("--steps", type=int, default=None, help="lm: default: the train default")
     p.add_argument("--eval-every", type=int, default=None, help="lm: default: the train default")
+    p.add_argument(
+        "--lr-warmup", type=int, default=None, help="lm: steps (default: the train default)"
+    )
     p.add_argument("--model", choices=("cnn", "mlp"), default=None, help="digits: the model")
     p.add_argument("--width", type=int, default=None, help="model width (default: the train one)")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: the train one)")
@@ -259,7 +262,7 @@ def _train_args(args, label: str, seed: int, out: Path) -> list[str]:
     ]
     if args.epochs is not None:
         train_args += ["--epochs", str(args.epochs)]
-    for name in ("model", "width", "batch_size", "steps", "eval_every"):
+    for name in ("model", "width", "batch_size", "steps", "eval_every", "lr_warmup"):
         if getattr(args, name) is not None:
             train_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return train_args

@@ -32,6 +32,7 @@ __all__ = [
     "encode",
     "evaluate",
     "load_split",
+    "default_lr_warmup",
     "lr_at",
     "setup",
     "shard_of",
@@ -53,7 +54,7 @@ DEFAULTS = {
     "context": 128,
     "val_fraction": 0.1,
     "eval_windows": 64,
-    "lr_warmup_fraction": 0.05,
+    "lr_warmup_fraction": 0.5,
 }
 
 #: The vocabulary's entry 0, standing for every character not seen in the training text.
@@ -273,6 +274,13 @@ def build_model(
     return __getattr__("CharTransformer")(vocab_size, width, layers, heads, context)
 
 
+def default_lr_warmup(steps: int) -> int:
+    """The learning rate's warm-up when ``--lr-warmup`` is not given: half the steps
+    (:data:`DEFAULTS` ``lr_warmup_fraction``), rounded. docs/performance.md ("The learning
+    rate's warm-up") has the measurements behind the fraction."""
+    return round(DEFAULTS["lr_warmup_fraction"] * steps)
+
+
 def lr_at(lr: float, t: int, total: int, warmup: int) -> float:
     """Learning rate at step t of ``total``: linear warm-up over ``warmup`` steps to ``lr``,
     then cosine-annealed to 0 (a function of the step alone, so resumes follow it)."""
@@ -346,7 +354,7 @@ def train(tr, data: dict, resumed: dict | None) -> tuple[list[dict], dict]:
     history = resumed["history"] if resumed else []
     step = resumed["step"] if resumed else 0
     last = args.steps if args.stop_after is None else args.stop_after
-    warmup = round(DEFAULTS["lr_warmup_fraction"] * args.steps)
+    warmup = args.lr_warmup
     trained_s = history[-1]["seconds"] if history else 0.0
     tr.start_progress(last - step)
     tr.log(
@@ -394,6 +402,7 @@ def train(tr, data: dict, resumed: dict | None) -> tuple[list[dict], dict]:
         "layers": args.layers,
         "heads": args.heads,
         "context": args.context,
+        "lr_warmup": args.lr_warmup,
         "optimizer": "adamw",
         "vocab_size": len(data["vocab"]),
         "train_chars": data["train_chars"],

@@ -87,6 +87,7 @@ _RANGED = {
     "layers": POSITIVE_INT,
     "heads": POSITIVE_INT,
     "context": POSITIVE_INT,
+    "lr_warmup": NONNEGATIVE_INT,
 }
 _OPTIONAL = (
     "warmup_steps",
@@ -109,7 +110,7 @@ _DGC_DEFAULTS = {
 #: Options of one task only (None unless given), and the per-task defaults filled in by run().
 _TASK_ONLY = {
     "digits": ("epochs", "model"),
-    "lm": ("steps", "eval_every", "layers", "heads", "context"),
+    "lm": ("steps", "eval_every", "layers", "heads", "context", "lr_warmup"),
 }
 _PER_TASK = ("epochs", "model", "batch_size", "lr", "width", *_TASK_ONLY["lm"])
 #: The digits task's models (:func:`build_model`).
@@ -216,7 +217,15 @@ def _add_schedule_options(p) -> None:
         type=_RANGED["lr"],
         default=None,
         help=f"peak learning rate, cosine-annealed to 0 (default: SGD {d['lr']}; lm: AdamW "
-        f"{lm['lr']} after a linear warm-up over the first 5%% of the steps)",
+        f"{lm['lr']} after a linear warm-up of --lr-warmup steps)",
+    )
+    p.add_argument(
+        "--lr-warmup",
+        type=_RANGED["lr_warmup"],
+        default=None,
+        metavar="STEPS",
+        help="lm only: steps of the learning rate's linear warm-up, in [0, --steps] (default: "
+        f"{lm['lr_warmup_fraction']:.0%}% of --steps)",
     )
     p.add_argument(
         "--momentum",
@@ -379,6 +388,9 @@ def _resolve_task(args) -> None:
     for name in _PER_TASK:
         if getattr(args, name, None) is None:
             setattr(args, name, defaults.get(name))
+    steps = args.steps if task == "lm" else None
+    if isinstance(steps, int) and steps >= 1 and getattr(args, "lr_warmup", None) is None:
+        args.lr_warmup = lm.default_lr_warmup(args.steps)
 
 
 def _task_options(args) -> set:
@@ -401,6 +413,10 @@ def _check_args(args, P: int) -> None:
     if args.task == "lm":
         if args.width % args.heads:
             raise UsageError(f"--heads must divide --width={args.width}, got {args.heads}")
+        if args.lr_warmup > args.steps:
+            raise UsageError(
+                f"--lr-warmup must be in [0, --steps={args.steps}], got {args.lr_warmup}"
+            )
         _check_lm_sizes(args, P)
         stop = args.stop_after
         if stop is not None and (
@@ -484,6 +500,7 @@ RUN_OPTIONS = (
     "layers",
     "heads",
     "context",
+    "lr_warmup",
     "seed",
     "warmup_steps",
     "momentum_correction",
@@ -522,6 +539,23 @@ def _agreed(job, problem) -> None:
         raise UsageError(f"{p} (rank {r}" + (f" and {len(bad) - 1} more)" if len(bad) > 1 else ")"))
 
 
+#: ``--task lm``'s learning-rate warm-up before ``--lr-warmup`` existed: 5 % of the steps.
+_OLD_LR_WARMUP_FRACTION = 0.05
+
+
+def _saved_options(ck: dict) -> dict:
+    """The run options a checkpoint was saved with, as :func:`_run_options` gives them now: a
+    checkpoint of an older spardl without them gives its algorithm and task; one saved before
+    ``--lr-warmup`` existed, the warm-up it ran with (5 % of its steps)."""
+    theirs = ck.get("options") or {
+        "algorithm": ck.get("algorithm"),
+        "task": ck.get("task", "digits"),
+    }
+    if theirs.get("task") == "lm" and "lr_warmup" not in theirs and "steps" in theirs:
+        theirs = {**theirs, "lr_warmup": round(_OLD_LR_WARMUP_FRACTION * theirs["steps"])}
+    return theirs
+
+
 def _check_resume(args, job):
     """Collective: the ``--resume`` checkpoint this rank starts from, loaded; UsageError on every
     rank if any rank's checkpoint cannot be read or was saved with other run options
@@ -554,10 +588,7 @@ def _check_resume(args, job):
                 raise FileNotFoundError(f"no checkpoint {own}")
         P = _saved_world_size(ck)
         mine = _run_options(args, job.size)
-        theirs = ck.get("options") or {
-            "algorithm": ck.get("algorithm"),
-            "task": ck.get("task", "digits"),
-        }
+        theirs = _saved_options(ck)
         diff = [k for k in mine if k != "world_size" and k in theirs and theirs[k] != mine[k]]
         if diff:
             problem = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from mpirun import ROOT, run_mpi
 
 from spardl import lm
 from spardl.cli.common import UsageError
-from spardl.train import _check_args, _resolve_task, add_arguments
+from spardl.train import _check_args, _resolve_task, _saved_options, add_arguments
 
 torch = pytest.importorskip("torch")
 
@@ -123,6 +124,23 @@ def test_lr_warms_up_then_anneals():
     assert lm.lr_at(1.0, 55, 100, 10) == pytest.approx(0.5)
 
 
+def test_lr_without_warmup_starts_at_the_peak():
+    assert lm.lr_at(1.0, 0, 100, 0) == pytest.approx(1.0)
+    assert lm.lr_at(1.0, 50, 100, 0) == pytest.approx(0.5)
+
+
+def test_a_checkpoint_from_before_lr_warmup_resumes_with_its_five_percent():
+    """Checkpoints saved before ``--lr-warmup`` existed ran 5 % of their steps of warm-up: a
+    resume compares that value with this run's, so the default's change cannot slip in."""
+    old = {"options": {"task": "lm", "steps": 600, "algorithm": "spardl"}}
+    assert _saved_options(old)["lr_warmup"] == 30
+    new = {"options": {"task": "lm", "steps": 600, "lr_warmup": 150}}
+    assert _saved_options(new)["lr_warmup"] == 150
+    digits = {"options": {"task": "digits", "epochs": 2}}
+    assert "lr_warmup" not in _saved_options(digits)
+    assert _saved_options({"algorithm": "topka"}) == {"algorithm": "topka", "task": "digits"}
+
+
 def _parse(*argv):
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -140,6 +158,14 @@ def test_task_defaults_and_usage_errors():
         lm.DEFAULTS["lr"],
     )
     assert args.epochs is None
+    assert args.lr_warmup == round(lm.DEFAULTS["lr_warmup_fraction"] * lm.DEFAULTS["steps"])
+    longer = _parse("--task", "lm", "--steps", "1200")
+    _resolve_task(longer)
+    assert longer.lr_warmup == lm.default_lr_warmup(1200) == 600
+    given = _parse("--task", "lm", "--steps", "100", "--lr-warmup", "0")
+    _resolve_task(given)
+    _check_args(given, 2)
+    assert given.lr_warmup == 0
     digits = _parse()
     _resolve_task(digits)
     assert digits.task == "digits" and digits.epochs == 15 and digits.steps is None
@@ -147,13 +173,18 @@ def test_task_defaults_and_usage_errors():
         (["--steps", "5"], "--steps applies to --task lm only"),
         (["--task", "lm", "--epochs", "2"], "--epochs applies to --task digits only"),
         (["--task", "lm", "--heads", "3"], "--heads must divide --width=128, got 3"),
+        (["--lr-warmup", "5"], "--lr-warmup applies to --task lm only"),
+        (
+            ["--task", "lm", "--steps", "100", "--lr-warmup", "101"],
+            "--lr-warmup must be in [0, --steps=100], got 101",
+        ),
         (
             ["--task", "lm", "--steps", "100", "--eval-every", "20", "--stop-after", "30"],
             "--stop-after must be a multiple of --eval-every=20",
         ),
     ]:
         args = _parse(*argv)
-        with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        with pytest.raises(UsageError, match=re.escape(message)):
             _resolve_task(args)
             _check_args(args, 2)
 
