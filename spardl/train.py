@@ -90,6 +90,7 @@ _RANGED = {
     "lr_warmup": NONNEGATIVE_INT,
 }
 _OPTIONAL = (
+    "lr_warmup",  # lm: None until _check_args fills in its default from the checked --steps
     "warmup_steps",
     "stop_after",
     "clip_norm",
@@ -388,9 +389,6 @@ def _resolve_task(args) -> None:
     for name in _PER_TASK:
         if getattr(args, name, None) is None:
             setattr(args, name, defaults.get(name))
-    steps = args.steps if task == "lm" else None
-    if isinstance(steps, int) and steps >= 1 and getattr(args, "lr_warmup", None) is None:
-        args.lr_warmup = lm.default_lr_warmup(args.steps)
 
 
 def _task_options(args) -> set:
@@ -411,8 +409,12 @@ def _check_args(args, P: int) -> None:
             f"--stop-after must be in [1, --epochs={args.epochs}], got {args.stop_after}"
         )
     if args.task == "lm":
+        from . import lm
+
         if args.width % args.heads:
             raise UsageError(f"--heads must divide --width={args.width}, got {args.heads}")
+        if args.lr_warmup is None:
+            args.lr_warmup = lm.default_lr_warmup(args.steps)
         if args.lr_warmup > args.steps:
             raise UsageError(
                 f"--lr-warmup must be in [0, --steps={args.steps}], got {args.lr_warmup}"

@@ -161,6 +161,7 @@ def test_task_defaults_and_usage_errors():
     assert args.lr_warmup == round(lm.DEFAULTS["lr_warmup_fraction"] * lm.DEFAULTS["steps"])
     longer = _parse("--task", "lm", "--steps", "1200")
     _resolve_task(longer)
+    _check_args(longer, 2)
     assert longer.lr_warmup == lm.default_lr_warmup(1200) == 600
     given = _parse("--task", "lm", "--steps", "100", "--lr-warmup", "0")
     _resolve_task(given)
