@@ -34,6 +34,8 @@ from spardl.cli import launch_train  # noqa: E402
 CONFIGS = {
     "spardl": ["--algorithm", "spardl", "--residual", "global"],
     "dense": ["--algorithm", "dense"],
+    # The 16-bit dense allreduce: MPI's float16 sum, half of dense's bytes.
+    "dense-fp16": ["--algorithm", "dense", "--wire", "fp16"],
     "spardl-local": ["--algorithm", "spardl", "--residual", "local"],
     "oktopk": ["--algorithm", "oktopk"],
     "topka": ["--algorithm", "topka"],
@@ -66,6 +68,15 @@ CONFIGS = {
         "1024",
     ],
     "topka-mc": ["--algorithm", "topka", "--momentum-correction"],
+    # Ok-Topk with the techniques of spardl-d4-mcw-dn below, for a like-for-like comparison.
+    "oktopk-mcw-dn": [
+        "--algorithm",
+        "oktopk",
+        "--momentum-correction",
+        "@warmup",
+        "--dense-numel",
+        "1024",
+    ],
     # The same techniques with d = 4 teams: the language model's best SparDL setting.
     "spardl-d4-mcw-dn": [
         "--algorithm",

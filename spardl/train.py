@@ -174,11 +174,13 @@ def _add_reduction_options(p) -> None:
     )
     p.add_argument(
         "--wire",
-        choices=("coo", "compact"),
+        choices=("coo", "compact", "fp16"),
         default=d["wire"],
         help="sparse message format: coo (32-bit indices and values) or compact (delta-coded "
-        "indices, 16-bit values whose rounding stays in the residual; docs/design.md §2.1) "
-        "(default: %(default)s)",
+        "indices, 16-bit values whose rounding stays in the residual; docs/design.md §2.1); "
+        "fp16, --algorithm dense only: the 16-bit dense allreduce, MPI's float16 sum of the "
+        "gradients rounded to float16, half the bytes, its rounding dropped (default: "
+        "%(default)s)",
     )
 
 
@@ -443,6 +445,11 @@ def _check_args(args, P: int) -> None:
         )
     if args.momentum_correction and args.residual == "none":
         raise UsageError("--momentum-correction needs error feedback: not with --residual none")
+    if getattr(args, "wire", "coo") == "fp16" and args.algorithm != "dense":
+        raise UsageError(
+            f"--wire fp16 applies to --algorithm dense only (the sparse ones' 16-bit values: "
+            f"--wire compact), got --algorithm {args.algorithm}"
+        )
     if args.algorithm != "spardl" and args.teams != 1:
         raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
     if getattr(args, "explain", False) and args.algorithm != "auto":
@@ -482,6 +489,72 @@ def _check_lm_sizes(args, P: int) -> None:
         )
 
 
+#: Bytes every rank holds per model parameter at the least, float32: the weights, their
+#: gradients, the optimizer's state (AdamW's two moments; SGD's momentum is one) and the
+#: allreducer's residual or result buffer. The real figure is higher (momentum correction's
+#: two vectors, the flat gradient, pooled buffers), so a run this bound refuses cannot fit.
+MIN_BYTES_PER_PARAMETER = 16
+
+
+def _model_numel(args) -> int:
+    """Parameters of the model ``args`` describes, counted on PyTorch's meta device (nothing is
+    allocated): the model of ``--task``, ``--model``, ``--width`` and, for lm, ``--layers``,
+    ``--heads``, ``--context`` and the training split's vocabulary (``--seed``)."""
+    import torch
+
+    from . import lm
+
+    with torch.device("meta"):
+        if args.task == "lm":
+            train_text, _, _, _ = lm.load_split(args.seed, lm.DEFAULTS["val_fraction"])
+            vocab = lm.build_vocab(train_text)
+            model = lm.build_model(len(vocab), args.width, args.layers, args.heads, args.context)
+        else:
+            model = build_model(args.width, args.model)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _available_memory() -> int | None:
+    """This node's ``MemAvailable`` in bytes (Linux ``/proc/meminfo``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_memory(args, job, world) -> None:
+    """Collective: UsageError on every rank if the model cannot fit in memory on some node, its
+    ranks holding at least :data:`MIN_BYTES_PER_PARAMETER` bytes per parameter each, before a
+    rank allocates it (an oversized ``--width`` or ``--layers`` would otherwise end in the
+    kernel's out-of-memory kill of some rank, or in PyTorch's allocation error on some ranks
+    while the others wait)."""
+    from mpi4py import MPI
+
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        local_ranks = node.Get_size()
+    finally:
+        node.Free()
+    n = _model_numel(args)
+    need = n * MIN_BYTES_PER_PARAMETER * local_ranks
+    have = _available_memory()
+    problem = None
+    if have is not None and need > have:
+        shape = f"--width {args.width}" + (
+            f", --layers {args.layers}, --context {args.context}" if args.task == "lm" else ""
+        )
+        problem = (
+            f"the model ({shape}) has {n:,} parameters: at least {need / 2**30:.1f} GiB for "
+            f"the {local_ranks} rank(s) on this node ({MIN_BYTES_PER_PARAMETER} bytes per "
+            f"parameter each), more than the {have / 2**30:.1f} GiB available"
+        )
+    _agreed(job, problem)
+
+
 #: The options that define a run: a --resume must repeat the checkpoint's. The world size may
 #: differ: the allreducer's state is then folded into the new world (:mod:`spardl.elastic`).
 RUN_OPTIONS = (
@@ -511,7 +584,7 @@ RUN_OPTIONS = (
     "density_warmup",
     "warmup_density",
     "dense_numel",
-    "wire",  # "compact" rounds the values sent to 16 bits: another run
+    "wire",  # "compact" and "fp16" round the values sent to 16 bits: another run
 )
 
 
@@ -663,7 +736,7 @@ def build_model(width: int = 16, model: str = "cnn"):
     """A small network for 1×8×8 images, 10 classes.
 
     ``"cnn"``: conv(1→w, 3×3) · ReLU · conv(w→2w, 3×3) · ReLU · max-pool 2 · linear(2w·16 → 64)
-    · ReLU · linear(64 → 10). With w = 16: 38,122 parameters; w = 96: 364,362.
+    · ReLU · linear(64 → 10). With w = 16: 38,282 parameters; w = 96: 364,362.
 
     ``"mlp"``: flatten · linear(64 → w) · ReLU · linear(w → w) · ReLU · linear(w → 10). With
     w = 1024: 1,126,410 parameters. A fully connected layer does 2 multiply-adds per parameter
@@ -909,7 +982,9 @@ def run(args, world) -> dict | None:
         (checked collectively) a ``--resume`` checkpoint missing or unreadable on some rank or
         saved with other run options (:data:`RUN_OPTIONS`; another world size is an elastic
         resume, :func:`spardl.elastic.load_rank_states`, not an error), an ``--out`` /
-        ``--checkpoint`` directory that cannot be made; with ``--task lm``, a ``--context``
+        ``--checkpoint`` directory that cannot be made, a model too large for some node's
+        available memory (its ranks' :data:`MIN_BYTES_PER_PARAMETER` bytes per parameter
+        each); with ``--task lm``, a ``--context``
         longer than the shortest text a window is drawn from minus 1, or over the memory bounds
         :data:`LM_MAX_CHARS` (--batch-size × --context) and :data:`LM_MAX_SCORES`
         (--batch-size × --context²).
@@ -930,6 +1005,7 @@ def run(args, world) -> dict | None:
 
     torch.set_num_threads(1)  # P ranks share the machine's cores
     torch.use_deterministic_algorithms(True)
+    _check_memory(args, job, world)
     resumed_ck = _check_resume(args, job)
 
     data, model, loop = _task_setup(args, rank, P)
@@ -1006,8 +1082,11 @@ def _optimizer_momentum(args) -> float:
 def _allreducer_options(args) -> dict:
     """The options of the sparse allreducer and of Deep Gradient Compression's techniques."""
     options = {"density": args.density, "residual": args.residual}
-    if getattr(args, "wire", "coo") != "coo":
-        options["wire"] = args.wire
+    wire = getattr(args, "wire", "coo")
+    if wire == "fp16":  # the dense allreducer's float16 sum (spardl.algorithms.dense)
+        options["wire_dtype"] = "float16"
+    elif wire != "coo":
+        options["wire"] = wire
     if args.algorithm == "spardl":
         options["teams"] = args.teams
     options.update(

@@ -199,6 +199,9 @@ def test_ddp_hook_resume_equals_uninterrupted_bit_for_bit(runs):
         (["--checkpoint", "/proc/ck"], "cannot create or write a directory for --out"),
         (["--model", "rnn"], "argument --model: invalid choice: 'rnn'"),
         (["--dense-numel", "-1"], "argument --dense-numel: must be an integer >= 0, got -1"),
+        # 1.8e15 parameters: refused before any rank allocates them.
+        (["--width", "10000000"], "parameters: at least"),
+        (["--wire", "fp16"], "--wire fp16 applies to --algorithm dense only"),
     ],
 )
 def test_bad_option_is_a_usage_error_on_every_rank(tmp_path, option, message):
@@ -317,6 +320,30 @@ def test_explain_applies_to_auto_only():
 
 
 @pytest.mark.parametrize(
+    ("option", "numel"),
+    [
+        (["--task", "digits"], 38_282),
+        (["--task", "digits", "--model", "mlp", "--width", "1024"], 1_126_410),
+        (["--task", "lm"], 1_021_312),
+    ],
+)
+def test_model_size_counts_the_model_built(option, numel):
+    """The memory check's count (on the meta device) is the built model's, without building it."""
+    from spardl import lm
+    from spardl.cli import build_parser
+    from spardl.train import _model_numel, _resolve_task, build_model
+
+    args = build_parser().parse_args(["train", *option])
+    _resolve_task(args)
+    assert _model_numel(args) == numel
+    if args.task == "lm":
+        model = lm.setup(args, 0, 2)[1]
+    else:
+        model = build_model(args.width, args.model)
+    assert sum(p.numel() for p in model.parameters()) == numel
+
+
+@pytest.mark.parametrize(
     ("option", "message"),
     [
         (["--context", "100000"], "--context must be at most"),
@@ -395,3 +422,36 @@ def test_mlp_model_trains_and_is_recorded(tmp_path):
     assert m["model"] == "mlp" and m["width"] == w
     assert m["n_params"] == 64 * w + w + w * w + w + 10 * w + 10
     assert m["final_test_accuracy"] > 0.5  # far above chance (0.1) after two epochs (0.68)
+
+
+def test_fp16_wire_is_the_16_bit_dense_allreduce(tmp_path):
+    """``--algorithm dense --wire fp16``: the same training at exactly half of dense's bytes
+    (float16 values and bound on the wire), recorded as such; other algorithms refuse it."""
+    from spardl.cli import build_parser
+    from spardl.cli.common import UsageError
+    from spardl.train import _allreducer_options, _check_args, _resolve_task
+
+    args = build_parser().parse_args(["train", *COMMON[3:], "--wire", "fp16"])
+    _resolve_task(args)
+    with pytest.raises(UsageError, match="--wire fp16 applies to --algorithm dense only"):
+        _check_args(args, 2)
+    args = build_parser().parse_args(["train", *COMMON[3:], "--wire", "fp16"])
+    args.algorithm = "dense"
+    _resolve_task(args)
+    _check_args(args, 2)
+    options = _allreducer_options(args)
+    assert options["wire_dtype"] == "float16" and "wire" not in options
+    metrics = {}
+    for wire in ("coo", "fp16"):
+        out = tmp_path / wire
+        argv = [*COMMON, "--algorithm", "dense", "--wire", wire, "--epochs", "1"]
+        run_mpi(2, [*argv, "--out", str(out)], timeout=240, env=ENV)
+        metrics[wire] = json.loads((out / "metrics.json").read_text())
+    assert metrics["fp16"]["wire"] == "fp16"
+    # Per step at P = 2: 2n + 8 bytes (n halves, then one float64 for the scale) against
+    # 4(n + 1) (n floats and the bound).
+    n = metrics["coo"]["n_params"]
+    b16, b32 = (metrics[w]["bytes_sent_per_rank"] for w in ("fp16", "coo"))
+    assert b16 * 4 * (n + 1) == b32 * (2 * n + 8) and b32 > 0
+    a16, a32 = (metrics[w]["final_test_accuracy"] for w in ("fp16", "coo"))
+    assert abs(a16 - a32) < 0.05, (a16, a32)  # float16 rounding, not another training

@@ -187,3 +187,92 @@ def test_sums_near_the_top_of_the_range(comm):
     half = np.full(n, 3e38 / comm.size / 2, np.float32)  # bound B above half the range at P = 2
     total = ar(half).to_dense()
     assert np.all(np.isfinite(total)) and ar.step == 1
+
+
+def _reference_float16(comm, g, op):
+    """``wire_dtype="float16"``: M = the largest |g / s| of every rank (MPI's MAX), g / s in the
+    work dtype scaled by 2^e with P·M in [2^14, 2^15) and rounded to float16, MPI's own float16
+    Allreduce of it, the sums widened to the gradient's dtype through the work dtype and scaled
+    back by 2^-e."""
+    import math
+
+    P = comm.size
+    w = _work(g.dtype)
+    scaled = g.astype(w) / w.type(P if op == "mean" else 1)
+    peak = float(np.abs(scaled).max()) if np.all(np.isfinite(scaled)) else math.inf
+    peak = comm.allreduce(peak, op=MPI.MAX)
+    e = 15 - math.frexp(P * peak)[1] if 0 < peak < math.inf else 0
+    with np.errstate(over="ignore"):
+        half = (scaled * w.type(2.0**e)).astype(np.float16)
+    total = np.empty_like(half)
+    comm.Allreduce(half, total, op=MPI.SUM)
+    return (total.astype(w) / w.type(2.0**e)).astype(g.dtype), e
+
+
+@pytest.mark.every_comm
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_float16_wire_is_mpi_float16_allreduce_bit_for_bit(comm, dtype, op):
+    """The 16-bit dense allreduce: MPI's float16 sum of the scaled, rounded g / s, at half the
+    bytes (and one MAX allreduce of one number)."""
+    n = 1001
+    ar = spardl.make("dense", comm, n, op=op, wire_dtype="float16")
+    scales = set()
+    for step in range(3):
+        g = grads_for(comm, n, dtype, seed=80 + step)[comm.rank]
+        g = g * dtype(10.0 ** (2 - 3 * step))  # three magnitudes: three scales
+        out = ar(g)
+        assert out.is_dense and out.dtype == np.dtype(dtype)
+        want, e = _reference_float16(comm, g, op)
+        scales.add(e)
+        assert out.to_dense().tobytes() == want.tobytes()
+        assert_identical_everywhere(comm, out)
+    assert len(scales) == 3
+    P = comm.size
+    per_call = 2 * 8 * (P - 1) // P + 2 * 2 * n * (P - 1) // P
+    assert ar.stats["bytes_sent"] == 3 * per_call
+    assert ar.stats["messages"] == (6 if P > 1 else 0)
+    assert ar.residual.shape == (n,) and not np.any(ar.residual)
+
+
+def test_float16_wire_drops_what_float16_cannot_hold(comm):
+    """Identical gradients on every rank: the mean is each value rounded to float16's 11
+    significant bits after scaling by 2^e (here 2^15 / 4: exact), and values more than about
+    2^39 times below the largest round to zero; float32 on the wire keeps them all."""
+    g = np.array([3.0, 1 + 2.0**-12, 2.0**-30, 2.0**-45, -0.25], np.float32)
+    out = spardl.make("dense", comm, 5, op="sum", wire_dtype="float16")(g)
+    d = out.to_dense()
+    P = comm.size
+    if P & (P - 1) == 0:  # the sum of P equal float16 values is exact
+        assert d[0] == 3 * P and d[1] == P and d[4] == -0.25 * P
+        assert d[2] == 2.0**-30 * P  # 2^-30·2^e is a normal float16: kept
+    assert d[3] == 0  # 2^-45·2^e is below float16's smallest subnormal
+    exact = spardl.make("dense", comm, 5, op="sum")(g).to_dense()
+    assert exact[3] != 0 and exact[1] == (1 + 2.0**-12) * P
+
+
+def test_float16_wire_sums_past_float16_range(comm):
+    """Sums past ±65504 stay finite (the scale keeps P·M below 2^15) and a NaN or ±inf is
+    counted as for the float32 sum: raised on every rank, or returned with "propagate"."""
+    n = 8
+    g = np.full(n, 40000.0, np.float32)
+    out = spardl.make("dense", comm, n, op="sum", wire_dtype="float16")(g)
+    np.testing.assert_array_equal(out.to_dense(), np.full(n, 40000.0 * comm.size, np.float32))
+    bad = g.copy()
+    if comm.rank == 0:
+        bad[2] = np.inf
+    ar = spardl.make("dense", comm, n, op="sum", wire_dtype="float16")
+    with pytest.raises(spardl.NonFiniteError):
+        ar(bad)
+    assert ar.step == 0
+    prop = spardl.make("dense", comm, n, wire_dtype="float16", nonfinite="propagate")(bad)
+    d = prop.to_dense()
+    assert np.isposinf(d[2]) and np.all(np.isfinite(np.delete(d, 2)))
+
+
+@pytest.mark.parametrize(
+    ("wire_dtype", "error"), [("float8", ValueError), ("bfloat16", ValueError), (16, TypeError)]
+)
+def test_bad_wire_dtype_is_refused_on_every_rank(comm, wire_dtype, error):
+    with pytest.raises(error, match="wire_dtype"):
+        spardl.make("dense", comm, 8, wire_dtype=wire_dtype)

@@ -55,6 +55,7 @@ def grad(comm, step, dtype=np.float32):
 
 CONFIGS = [
     ("dense", {}),
+    ("dense", {"wire_dtype": "float16"}),  # the 16-bit dense allreduce
     ("spardl", {"teams": 1}),
     ("spardl", {"teams": 2}),
     ("spardl", {"teams": 4}),  # at P = 4: teams of one, the cross-team exchange is everything
