@@ -81,6 +81,13 @@ def _args(argv):
     ap.add_argument("--dtype", default="float32", choices=["float16", "float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--scale",
+        type=float,
+        default=1e-3,
+        help="the gradient's magnitude (Student-t values times this); below about 6e-5·P most "
+        "values of the raw fp16 row's float16 copy are subnormal",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="also time each phase of spardl (selection vs communication)",
@@ -101,10 +108,10 @@ def _args(argv):
     return a
 
 
-def gradient(n, rank, seed, dtype):
+def gradient(n, rank, seed, dtype, scale=1e-3):
     """A heavy-tailed gradient: Student-t (ν = 3) scaled to gradient-like magnitudes (1e-3)."""
     rng = np.random.default_rng(seed * 1000 + rank)
-    return (rng.standard_t(3, n) * 1e-3).astype(dtype)
+    return (rng.standard_t(3, n) * scale).astype(dtype)
 
 
 def _link_tx(comm):
@@ -291,7 +298,17 @@ def _measure_matrix(comm, a, g, peer, results, profile):
                     dense = measure(
                         comm, lambda: spardl.make("dense", comm, a.n), g, a.warmup, a.repeat, peer
                     )
+                    # The 16-bit dense allreduce (float16 on the wire, scaled by 2^e).
+                    dense16 = measure(
+                        comm,
+                        lambda: spardl.make("dense", comm, a.n, wire_dtype="float16"),
+                        g,
+                        a.warmup,
+                        a.repeat,
+                        peer,
+                    )
                 results[(alg, density)] = dense
+                results[("dense (fp16)", density)] = dense16
                 continue
             _measure_sparse(comm, a, g, alg, density, peer, results, profile)
 
@@ -369,7 +386,7 @@ def main(argv=None):
     comm = MPI.COMM_WORLD
     P = comm.size
     load = [os.getloadavg()[0]]
-    g = gradient(a.n, comm.rank, a.seed, np.dtype(a.dtype))
+    g = gradient(a.n, comm.rank, a.seed, np.dtype(a.dtype), a.scale)
     profile = {}
     results = {}
     raw, raw16, peer = _measure_peers(comm, a, g, results)
