@@ -526,19 +526,16 @@ def _available_memory() -> int | None:
     return None
 
 
-def _check_memory(args, job, world) -> None:
+def _check_memory(args, job) -> None:
     """Collective: UsageError on every rank if the model cannot fit in memory on some node, its
     ranks holding at least :data:`MIN_BYTES_PER_PARAMETER` bytes per parameter each, before a
     rank allocates it (an oversized ``--width`` or ``--layers`` would otherwise end in the
     kernel's out-of-memory kill of some rank, or in PyTorch's allocation error on some ranks
     while the others wait)."""
-    from mpi4py import MPI
+    import socket
 
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        local_ranks = node.Get_size()
-    finally:
-        node.Free()
+    host = socket.gethostname()
+    local_ranks = job.allgather_object(host).count(host)  # the ranks on this node
     n = _model_numel(args)
     need = n * MIN_BYTES_PER_PARAMETER * local_ranks
     have = _available_memory()
@@ -1005,7 +1002,7 @@ def run(args, world) -> dict | None:
 
     torch.set_num_threads(1)  # P ranks share the machine's cores
     torch.use_deterministic_algorithms(True)
-    _check_memory(args, job, world)
+    _check_memory(args, job)
     resumed_ck = _check_resume(args, job)
 
     data, model, loop = _task_setup(args, rank, P)
