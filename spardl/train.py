@@ -179,8 +179,9 @@ def _add_reduction_options(p) -> None:
         help="sparse message format: coo (32-bit indices and values) or compact (delta-coded "
         "indices, 16-bit values whose rounding stays in the residual; docs/design.md §2.1); "
         "fp16, --algorithm dense only: the 16-bit dense allreduce, MPI's float16 sum of the "
-        "gradients rounded to float16, half the bytes, its rounding dropped (default: "
-        "%(default)s)",
+        "gradients scaled by a power of two (agreed by one MAX allreduce per step, so that no "
+        "sum overflows) and rounded to float16, half the bytes, its rounding dropped "
+        "(docs/design.md §5; default: %(default)s)",
     )
 
 

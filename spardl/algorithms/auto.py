@@ -57,7 +57,9 @@ _CLASSES = {
 #: The default candidates (SparDL with every feasible number of teams), in trial order: dense
 #: last, so that on a slow link the sparse steps measured first can spare its trial (``prune``).
 #: gTop-k is left out: it does not conserve (the partial sums its tree drops belong to no rank's
-#: residual); name it in ``candidates`` to allow it anyway.
+#: residual); name it in ``candidates`` to allow it anyway. The 16-bit dense allreduce
+#: (``Dense(wire_dtype="float16")``) is no candidate for the same reason: what float16 rounds
+#: off belongs to no residual.
 DEFAULT = ("spardl", "oktopk", "topka", "dense")
 #: Ping-pong sizes (bytes) and round trips per size of the measurement at construction.
 PINGPONG_SIZES = (8, 4096, 262144)
