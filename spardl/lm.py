@@ -363,6 +363,8 @@ def train(tr, data: dict, resumed: dict | None) -> tuple[list[dict], dict]:
         f"{data['train_chars']} train / {data['val_chars']} validation characters, "
         f"{len(data['shard'])} on this rank"
     )
+    if step >= last:
+        tr.log(f"nothing to train: the checkpoint is at step {step} of {last}")
     while step < last:
         t0 = time.perf_counter()
         end = min(last, (step // args.eval_every + 1) * args.eval_every)

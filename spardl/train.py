@@ -19,8 +19,10 @@ folded into the new world and its thresholds re-estimated (:mod:`spardl.elastic`
 
 from __future__ import annotations
 
+import glob
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -358,7 +360,8 @@ def _add_run_options(p) -> None:
         "--resume",
         type=Path,
         default=None,
-        help="resume from PATH.rank{r}.pt (written by --checkpoint), at any number of ranks",
+        help="resume from PATH.rank{r}.pt (written by --checkpoint), at any number of ranks; "
+        "the files are pickles: resume only from files you trust",
     )
     p.add_argument(
         "--stop-after",
@@ -629,37 +632,71 @@ def _saved_options(ck: dict) -> dict:
     return theirs
 
 
+#: What every ``spardl train`` checkpoint file holds (besides its position and world size).
+_CHECKPOINT_KEYS = ("model", "optimizer", "reducer")
+
+
 def _check_resume(args, job):
     """Collective: the ``--resume`` checkpoint this rank starts from, loaded; UsageError on every
-    rank if any rank's checkpoint cannot be read or was saved with other run options
+    rank if any rank's checkpoint cannot be read, is not a ``spardl train`` checkpoint, belongs
+    to another rank or another step than rank 0's, or was saved with other run options
     (:data:`RUN_OPTIONS`; a checkpoint of an older spardl without them: algorithm and task).
     Returns None without ``--resume``.
 
-    At the checkpoint's world size P, rank r's own file. At another world size P' (elastic
-    resume): the model, optimizer and loop position of old rank r's file (rank 0's for a new
-    rank r ≥ P), with ``ck["resize"] = (P, {old rank: its reducer state})`` holding the states
-    that :func:`spardl.elastic.load_rank_states` folds into rank r (old ranks ≡ r mod P').
+    Rank 0's file says the checkpoint's world size P and its position (epoch or step). Ranks
+    r < P read their own file, which must be of the same P and position. At the checkpoint's
+    world size that is all. At another world size P' (elastic resume): a new rank r ≥ P starts
+    from rank 0's model, optimizer and loop position (any file of its own is an older run's and
+    is ignored), and ``ck["resize"] = (P, {old rank: its reducer state})`` holds the states,
+    of the same P and position, that :func:`spardl.elastic.load_rank_states` folds into rank r
+    (old ranks ≡ r mod P').
     """
     if args.resume is None:
         return None
     import torch
 
     def load(rank):
-        return torch.load(_ckpt_path(args.resume, rank), weights_only=False)
+        path = _ckpt_path(args.resume, rank)
+        ck = torch.load(path, weights_only=False)
+        missing = [k for k in _CHECKPOINT_KEYS if not isinstance(ck, dict) or k not in ck]
+        if missing or _saved_world_size(ck) is None:
+            raise ValueError(
+                f"{path} is not a spardl train checkpoint (no {', '.join(missing) or 'world size'})"
+            )
+        if ck.get("rank", rank) != rank:
+            raise ValueError(f"{path} holds rank {ck['rank']}'s state, not rank {rank}'s")
+        return ck
 
-    problem, ck, P, reading = None, None, None, _ckpt_path(args.resume, job.rank)
+    def where(ck):
+        return f"P={_saved_world_size(ck)}, " + ", ".join(
+            f"{k} {ck[k]}" for k in ("epoch", "step") if k in ck
+        )
+
+    # Rank 0's file: the world size and position every other file must share.
+    problem, ck, first = None, None, None
+    if job.rank == 0:
+        try:
+            ck = load(0)
+            first = (_saved_world_size(ck), where(ck))
+        except Exception as e:  # noqa: BLE001 - an unreadable checkpoint is reported on every rank
+            problem = f"--resume: cannot read {_ckpt_path(args.resume, 0)} ({e})"
+    _agreed(job, problem)
+    P, first = job.bcast_object(first, 0)
+
+    problem, reading = None, _ckpt_path(args.resume, job.rank)
     try:
-        own = _ckpt_path(args.resume, job.rank)
-        ck = load(job.rank) if own.exists() else None
-        if ck is None or _saved_world_size(ck) != job.size:
-            # Another world size (or a new rank): rank 0's file says which.
+        if job.rank >= P:
             reading = _ckpt_path(args.resume, 0)
-            first = ck if job.rank == 0 else load(0)
-            if job.rank >= _saved_world_size(first):
-                ck = first  # a new rank starts from rank 0's model, optimizer and position
-            elif ck is None:
-                raise FileNotFoundError(f"no checkpoint {own}")
-        P = _saved_world_size(ck)
+            ck = load(0)  # a new rank starts from rank 0's model, optimizer and position
+        elif job.rank > 0:
+            if not reading.exists():
+                raise FileNotFoundError(f"no checkpoint {reading}")
+            ck = load(job.rank)
+            if where(ck) != first:
+                raise ValueError(
+                    f"it is of {where(ck)}, rank 0's of {first}: not one checkpoint (a job "
+                    "stopped while writing it, or files of two runs under one path?)"
+                )
         mine = _run_options(args, job.size)
         theirs = _saved_options(ck)
         diff = [k for k in mine if k != "world_size" and k in theirs and theirs[k] != mine[k]]
@@ -670,22 +707,24 @@ def _check_resume(args, job):
                 + "; this run has "
                 + ", ".join(_describe(k, mine[k]) for k in diff)
             )
-    except Exception as e:  # noqa: BLE001 - an unreadable checkpoint is reported on every rank
+    except Exception as e:  # noqa: BLE001 - as above
         problem = f"--resume: cannot read {reading} ({e})"
     _agreed(job, problem)
-    sizes = job.allgather_object(P)
-    if len(set(sizes)) > 1:
-        raise UsageError(
-            "--resume: the checkpoint's files were saved at different world sizes "
-            f"({', '.join(f'rank {r}: P={p}' for r, p in enumerate(sizes))}); not one run?"
-        )
     if P == job.size:
         return ck
     from .elastic import folded_ranks
 
     problem, need = None, folded_ranks(P, job.size, job.rank)
     try:
-        states = {r: (ck if r == job.rank else load(r))["reducer"] for r in need}
+        states = {}
+        for r in need:
+            theirs = ck if r == job.rank else load(r)
+            if where(theirs) != first:
+                raise ValueError(
+                    f"rank {r}'s file is of {where(theirs)}, rank 0's of {first}: not one "
+                    "checkpoint"
+                )
+            states[r] = theirs["reducer"]
         ck["resize"] = (P, states or {0: ck["reducer"]})
     except Exception as e:  # noqa: BLE001 - as above
         problem = f"--resume: cannot read the checkpoints of ranks {need} ({e})"
@@ -793,6 +832,39 @@ def _ckpt_path(base: Path, rank: int) -> Path:
     return Path(f"{base}.rank{rank}.pt")
 
 
+def _write_checkpoint(job, base: Path, rank: int, P: int, ck: dict) -> None:
+    """Collective: every rank's file of one checkpoint, replaced only once all are written.
+
+    Each rank writes ``PATH.rank{r}.pt.tmp``; only when every rank has written its own does
+    each rename it over its last file, so a job stopped while writing keeps its last whole
+    checkpoint (one stopped between the renames leaves files of two steps, which
+    :func:`_check_resume` names). Rank 0 then removes the files of ranks ≥ P that an earlier
+    run at a larger world size left under the same PATH, which would otherwise shadow this one.
+    A write that fails on any rank raises OSError on every rank, the last checkpoint kept.
+    """
+    import torch
+
+    path = _ckpt_path(base, rank)
+    tmp = path.with_name(path.name + ".tmp")
+    problem = None
+    try:
+        torch.save(ck, tmp)
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        problem = f"{tmp}: {e}"
+    problems = job.allgather_object(problem, control=False)
+    bad = [(r, q) for r, q in enumerate(problems) if q is not None]
+    if bad:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"--checkpoint: rank {bad[0][0]} could not write {bad[0][1]}")
+    os.replace(tmp, path)
+    if rank == 0:
+        prefix = f"{base.name}.rank"
+        for old in base.parent.glob(f"{glob.escape(base.name)}.rank*.pt"):
+            r = old.name[len(prefix) : -len(".pt")]
+            if r.isdigit() and int(r) >= P:
+                old.unlink(missing_ok=True)
+
+
 def lr_at(lr: float, t: int, total: int) -> float:
     """Cosine-annealed learning rate at step t of ``total``: lr·½(1 + cos(π·t/total)).
 
@@ -868,7 +940,6 @@ class _Trainer:
         args = self.args
         if args.checkpoint is None:
             return
-        import torch
 
         args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         ck = {
@@ -883,7 +954,7 @@ class _Trainer:
             "reducer": (self.reducer if self.reducer is not None else self.hook_state).state_dict(),
             "elapsed": time.perf_counter() - self.t_start,
         }
-        torch.save(ck, _ckpt_path(args.checkpoint, self.rank))
+        _write_checkpoint(self.job, args.checkpoint, self.rank, self.P, ck)
 
 
 def _digits_setup(args, rank: int, P: int):
@@ -920,6 +991,8 @@ def _train_digits(tr: _Trainer, data: dict, resumed: dict | None) -> tuple[list[
         f"params, {data['n_train']} train / {len(data['x_test'])} test images, "
         f"{steps_per_epoch} steps/epoch"
     )
+    if start_epoch >= last_epoch:
+        tr.log(f"nothing to train: the checkpoint is at epoch {start_epoch} of {last_epoch}")
     for epoch in range(start_epoch, last_epoch):
         t_epoch = time.perf_counter()
         order = np.random.default_rng([args.seed, rank, epoch]).permutation(len(x_sh))

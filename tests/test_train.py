@@ -217,6 +217,52 @@ def test_bad_option_is_a_usage_error_on_every_rank(tmp_path, option, message):
     assert "epoch" not in proc.stdout  # nothing trained
 
 
+def test_a_checkpoint_whose_files_are_not_one_set_is_a_usage_error(one_epoch, runs, tmp_path):
+    """--resume from files that are not one checkpoint (of two steps, as a job stopped between
+    two ranks' writes leaves them; rank 0's file under rank 1's name; a pickle that is no
+    checkpoint): one line naming the problem, status 2, on every rank, nothing trained."""
+    ck0, ck1 = _load(runs / "ck1.rank0.pt"), _load(runs / "ck1.rank1.pt")
+    torch.save(ck0, tmp_path / "mix.rank0.pt")
+    torch.save({**ck1, "epoch": ck1["epoch"] + 1}, tmp_path / "mix.rank1.pt")
+    torch.save(ck0, tmp_path / "swap.rank0.pt")
+    torch.save(ck0, tmp_path / "swap.rank1.pt")
+    torch.save({"a": 1}, tmp_path / "none.rank0.pt")
+    for name, message in [
+        ("mix", "is of P=2, epoch 2, rank 0's of P=2, epoch 1: not one checkpoint"),
+        ("swap", "swap.rank1.pt holds rank 0's state, not rank 1's"),
+        ("none", "none.rank0.pt is not a spardl train checkpoint (no model, optimizer, reducer)"),
+    ]:
+        argv = [*COMMON, "--epochs", "2", "--resume", str(tmp_path / name)]
+        proc = run_mpi(2, argv, timeout=120, env=ENV, check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr, proc.stderr
+        assert proc.stderr.strip().count("\n") == 0, proc.stderr
+        assert "epoch" not in proc.stdout
+
+
+def test_a_checkpoint_path_reused_at_a_smaller_then_larger_world_size(tmp_path):
+    """Saving at P = 1 over a checkpoint of P = 2 removes the old rank 1 file, so a resume at
+    P = 2 starts from the P = 1 checkpoint instead of mixing the two; every file is written
+    whole (no .tmp left); a resume with nothing left to train says so."""
+    ck, out = tmp_path / "ck", str(tmp_path / "out")
+    base = [*COMMON, "--epochs", "3", "--out", out]
+    run_mpi(2, [*base, "--stop-after", "1", "--checkpoint", str(ck)], timeout=240, env=ENV)
+    assert (tmp_path / "ck.rank1.pt").exists()
+    run_mpi(
+        1,
+        [*base, "--stop-after", "2", "--resume", str(ck), "--checkpoint", str(ck)],
+        timeout=240,
+        env=ENV,
+    )
+    assert sorted(p.name for p in tmp_path.glob("ck*")) == ["ck.rank0.pt"]
+    proc = run_mpi(2, [*base, "--resume", str(ck), "--checkpoint", str(ck)], timeout=240, env=ENV)
+    assert "resumed at P=2 from a checkpoint of P=1" in proc.stdout
+    assert sorted(p.name for p in tmp_path.glob("ck*")) == ["ck.rank0.pt", "ck.rank1.pt"]
+    assert [_load(tmp_path / f"ck.rank{r}.pt")["epoch"] for r in range(2)] == [3, 3]
+    proc = run_mpi(2, [*base, "--resume", str(ck)], timeout=240, env=ENV)
+    assert "nothing to train: the checkpoint is at epoch 3 of 3" in proc.stdout
+
+
 def test_exception_on_one_rank_aborts_the_job():
     proc = run_mpi(2, ["tests/scripts/fail_one_rank.py"], timeout=60, env=ENV, check=False)
     assert proc.returncode != 0
