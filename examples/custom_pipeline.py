@@ -2,7 +2,7 @@
 
 Run::
 
-    mpiexec -n 4 python examples/custom_pipeline.py [--n 100000] [--density 0.01] [--seed 0]
+    mpiexec -n 4 python examples/custom_pipeline.py [--n 100000] [--density 0.01] [--json]
 
 What each rank does (no ``spardl`` allreducer involved, only ``spardl_kernels`` and mpi4py):
 
@@ -15,8 +15,9 @@ What each rank does (no ``spardl`` allreducer involved, only ``spardl_kernels`` 
 5. Sum: ``coalesce`` of the P concatenated selections (sorted, duplicates summed in rank order).
 6. Residual: E = X with the selected entries zeroed (they were sent; nothing is dropped).
 
-Rank 0 prints one JSON line: the summed sparse result and each rank's selection count, so a test
-can recompute it with NumPy (``tests/test_examples.py``).
+Rank 0 prints one line per step: each rank's selection count and the size of the sum. With
+``--json`` the line is JSON holding the whole summed sparse result too, so a test can recompute
+it with NumPy (``tests/test_examples.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main(argv=None) -> None:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print each step's whole result as JSON")
     a = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     k = max(1, int(a.density * a.n))
@@ -86,7 +88,13 @@ def main(argv=None) -> None:
         E = X.copy()
         E[sent] = 0.0  # sent entries reach the sum exactly once; the rest waits for later
         counts = comm.gather(len(sent), root=0)
-        if comm.rank == 0:
+        if comm.rank == 0 and not a.json:
+            print(
+                f"step {step}: P={comm.size} n={a.n} k={k}, selected per rank {counts}, "
+                f"{len(out_i)} entries in the sum, largest |value| {np.abs(out_v).max():.3g}",
+                flush=True,
+            )
+        elif comm.rank == 0:
             print(
                 json.dumps(
                     {

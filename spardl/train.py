@@ -454,6 +454,11 @@ def _check_args(args, P: int) -> None:
             f"--wire fp16 applies to --algorithm dense only (the sparse ones' 16-bit values: "
             f"--wire compact), got --algorithm {args.algorithm}"
         )
+    if getattr(args, "wire", "coo") == "compact" and args.algorithm == "dense":
+        raise UsageError(
+            "--wire compact applies to the sparse algorithms (dense sends no sparse messages; "
+            "its 16-bit form is --wire fp16)"
+        )
     if args.algorithm != "spardl" and args.teams != 1:
         raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
     if getattr(args, "explain", False) and args.algorithm != "auto":
@@ -990,6 +995,12 @@ def _train_digits(tr: _Trainer, data: dict, resumed: dict | None) -> tuple[list[
         f"spardl train: {args.algorithm} P={P} density={args.density} n={tr.n_params} "
         f"params, {data['n_train']} train / {len(data['x_test'])} test images, "
         f"{steps_per_epoch} steps/epoch"
+        + (
+            f" (--batch-size {args.batch_size} is more than a rank's "
+            f"{data['n_train'] // P} samples: each step takes them all)"
+            if args.batch_size > data["n_train"] // P
+            else ""
+        )
     )
     if start_epoch >= last_epoch:
         tr.log(f"nothing to train: the checkpoint is at epoch {start_epoch} of {last_epoch}")

@@ -33,6 +33,7 @@ def test_custom_pipeline_matches_numpy(P):
             str(steps),
             "--seed",
             str(seed),
+            "--json",
         ],
         timeout=120,
     )

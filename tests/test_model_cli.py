@@ -95,6 +95,7 @@ def test_model_rejects_what_it_cannot_print_or_plot(tmp_path, args, message):
     """Exit status 2 and one line, before anything is written (JSON never holds inf/NaN)."""
     proc = _model(*(a.replace("{tmp}", str(tmp_path)) for a in args))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("spardl model: error: "), proc.stderr  # as the other commands
     assert proc.stdout == "" and "Traceback" not in proc.stderr
 
 

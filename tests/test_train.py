@@ -202,6 +202,10 @@ def test_ddp_hook_resume_equals_uninterrupted_bit_for_bit(runs):
         # 1.8e15 parameters: refused before any rank allocates them.
         (["--width", "10000000"], "parameters: at least"),
         (["--wire", "fp16"], "--wire fp16 applies to --algorithm dense only"),
+        (
+            ["--algorithm", "dense", "--wire", "compact"],
+            "--wire compact applies to the sparse algorithms",
+        ),
     ],
 )
 def test_bad_option_is_a_usage_error_on_every_rank(tmp_path, option, message):
@@ -261,6 +265,14 @@ def test_a_checkpoint_path_reused_at_a_smaller_then_larger_world_size(tmp_path):
     assert [_load(tmp_path / f"ck.rank{r}.pt")["epoch"] for r in range(2)] == [3, 3]
     proc = run_mpi(2, [*base, "--resume", str(ck)], timeout=240, env=ENV)
     assert "nothing to train: the checkpoint is at epoch 3 of 3" in proc.stdout
+
+
+def test_a_batch_larger_than_a_shard_is_said(tmp_path):
+    """--batch-size beyond a rank's samples trains one step per epoch on all of them, and says
+    so (1,437 training images: 718 per rank at P = 2)."""
+    argv = [*COMMON, "--epochs", "1", "--batch-size", "100000", "--out", str(tmp_path)]
+    proc = run_mpi(2, argv, timeout=240, env=ENV)
+    assert "1 steps/epoch (--batch-size 100000 is more than a rank's 718 samples" in proc.stdout
 
 
 def test_exception_on_one_rank_aborts_the_job():

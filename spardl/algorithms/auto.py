@@ -800,6 +800,11 @@ def _checked_inner(inner) -> tuple:
     return (int(step), int(calls), dtype, extra)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 decision``, ``2 decisions``, ``0 switches``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('ch') else 's'}"
+
+
 def explain(report: dict) -> str:
     """``stats["auto"]`` as a table: one line per candidate (the model's communication, the
     local work, their sum, and the measured step and time inside MPI, in ms), the choice
@@ -816,8 +821,9 @@ def explain(report: dict) -> str:
         Lines without a trailing newline.
     """
     head = (
-        f"auto: {report['choice']} ({report['phase']}; {report['decisions']} decisions, "
-        f"{report['switches']} switches, every {report['interval']} steps after "
+        f"auto: {report['choice']} ({report['phase']}; {_count(report['decisions'], 'decision')}"
+        f", {_count(report['switches'], 'switch')} (trials included), every "
+        f"{report['interval']} steps after "
         f"{report['trials']} trial steps each); alpha = {report['alpha'] * 1e6:.2f} us, "
         f"beta = {report['beta'] * 1e9:.4f} ns/B ({report['rates']})"
     )

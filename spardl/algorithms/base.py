@@ -407,10 +407,10 @@ class Allreducer:
             if isinstance(grad, np.ndarray):
                 what = f"{what} of dtype {g.dtype}"
             raise TypeError(f"grad must be a 1-D float array, got {what}")
-        self._check_vector(g.ndim, g.shape, g.dtype)
+        self._check_vector(g.ndim, g.shape, g.dtype, grad)
         return g
 
-    def _check_vector(self, ndim, shape, dtype) -> None:
+    def _check_vector(self, ndim, shape, dtype, grad=None) -> None:
         if ndim != 1:
             raise ValueError(f"grad must be 1-D, got shape {tuple(shape)}")
         if dtype not in VALUE_DTYPES:
@@ -418,7 +418,12 @@ class Allreducer:
         if shape[0] != self.n:
             raise ValueError(f"grad has length {shape[0]}, expected n={self.n}")
         if self._dtype is not None and dtype != self._dtype:
-            raise TypeError(f"grad dtype changed from {self._dtype} to {dtype}")
+            how = (
+                ""
+                if grad is None or hasattr(grad, "dtype")
+                else f" (NumPy's dtype for a {type(grad).__name__}: pass an array of {self._dtype})"
+            )
+            raise TypeError(f"grad dtype changed from {self._dtype} to {dtype}{how}")
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(self, grad) -> SparseResult:
@@ -706,6 +711,11 @@ class Allreducer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output; the next call continues bit for bit.
+
+        The density is part of the state: the saved ρ replaces the one this allreducer was
+        built with (as :meth:`set_density` would), so that a density schedule such as the
+        warm-up continues where it was saved. Another algorithm, n, world size or rank is
+        refused instead, since no call could continue from it.
 
         Collective: every rank calls it (each with its own rank's state) between the same two
         calls. All or nothing, on every rank: if the state is invalid on any rank, every rank

@@ -71,6 +71,10 @@ class Dense(Allreducer):
     ``conserves`` is False.
     A NaN or ±inf (M = inf) is summed unscaled and counted, as for the float32 sum.
 
+    ``wire`` (the sparse message format of the other allreducers) is accepted, so that ``auto``
+    can hand every candidate the same options, and changes nothing: dense sends no sparse
+    messages.
+
     The result is the dense form of :class:`~spardl.result.SparseResult`: the reduced vector
     itself; ``to_dense()`` copies it, ``indices``/``values`` are made on first read. The values
     are bit for bit MPI's sum of the ranks' g / s in the work dtype (the mean is the sum of

@@ -339,7 +339,7 @@ def model_main(args) -> int:
             n, args.density, Ps, net["alpha"], net["beta"], args.gamma, algs, label, args.sag_budget
         )
     except (ValueError, TypeError) as e:
-        print(f"spardl model: {e}", file=sys.stderr)
+        print(f"spardl model: error: {e}", file=sys.stderr)
         return 2
     what = f"n={n:,}" + (f" ({args.model})" if args.n is None else "")
     title = (

@@ -131,6 +131,16 @@ def test_grad_of_the_wrong_type_is_a_type_error(comm, grad, message):
         ar(grad)
 
 
+def test_a_list_after_a_float32_gradient_names_the_conversion(comm):
+    """A Python list becomes float64 in NumPy: after float32 calls the error says so."""
+    ar = spardl.make("topka", comm, 10)
+    ar(np.ones(10, np.float32))
+    with pytest.raises(TypeError, match=r"float32 to float64 \(NumPy's dtype for a list: pass"):
+        ar([1.0] * 10)
+    with pytest.raises(TypeError, match=r"float32 to float64$"):
+        ar(np.ones(10))
+
+
 @pytest.mark.parametrize(
     ("params", "error", "message"),
     [

@@ -125,6 +125,10 @@ def test_stats_auto_content(comm, tmp_path_factory):
     assert rep["conserves"] is True and rep["interval"] == 3 and rep["trials"] == 1
     text = explain(rep)
     assert all(name in text for name in names) and "*" in text
+    d, w = rep["decisions"], rep["switches"]
+    assert (
+        f"{d} decision{'' if d == 1 else 's'}, {w} switch{'' if w == 1 else 'es'} (trials" in text
+    )
     # gTop-k only when named; then the allreducer does not promise conservation.
     g = spardl.make("auto", comm, N, candidates=["gtopk", "spardl"], trials=0, **RATES)
     assert g.conserves is False and list(g.stats["auto"]["candidates"])[0] == "gtopk"
