@@ -19,6 +19,7 @@ folded into the new world and its thresholds re-estimated (:mod:`spardl.elastic`
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -610,14 +611,14 @@ def _saved_world_size(ck: dict):
     return (ck.get("options") or {}).get("world_size", ck.get("world_size"))
 
 
-def _agreed(job, problem) -> None:
-    """Collective: UsageError on every rank, naming the first rank's problem, if any rank has
+def _agreed(job, problem, error: type[Exception] = UsageError) -> None:
+    """Collective: ``error`` on every rank, naming the first rank's problem, if any rank has
     one."""
     problems = job.allgather_object(problem)
     bad = [(r, p) for r, p in enumerate(problems) if p is not None]
     if bad:
         r, p = bad[0]
-        raise UsageError(f"{p} (rank {r}" + (f" and {len(bad) - 1} more)" if len(bad) > 1 else ")"))
+        raise error(f"{p} (rank {r}" + (f" and {len(bad) - 1} more)" if len(bad) > 1 else ")"))
 
 
 #: ``--task lm``'s learning-rate warm-up before ``--lr-warmup`` existed: 5 % of the steps.
@@ -855,12 +856,13 @@ def _write_checkpoint(job, base: Path, rank: int, P: int, ck: dict) -> None:
     try:
         torch.save(ck, tmp)
     except Exception as e:  # noqa: BLE001 - reported on every rank below
-        problem = f"{tmp}: {e}"
-    problems = job.allgather_object(problem, control=False)
-    bad = [(r, q) for r, q in enumerate(problems) if q is not None]
-    if bad:
-        tmp.unlink(missing_ok=True)
-        raise OSError(f"--checkpoint: rank {bad[0][0]} could not write {bad[0][1]}")
+        problem = f"--checkpoint: cannot write {tmp} ({e})"
+    try:
+        _agreed(job, problem, OSError)
+    except OSError:
+        with contextlib.suppress(OSError):  # a partial file; not what the error names
+            tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     if rank == 0:
         prefix = f"{base.name}.rank"
