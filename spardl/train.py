@@ -661,7 +661,8 @@ def _check_resume(args, job):
         return None
     import torch
 
-    def load(rank):
+    def load(rank, first=None):
+        """Rank ``rank``'s file, checked; with ``first``, of rank 0's world size and position."""
         path = _ckpt_path(args.resume, rank)
         ck = torch.load(path, weights_only=False)
         missing = [k for k in _CHECKPOINT_KEYS if not isinstance(ck, dict) or k not in ck]
@@ -671,6 +672,11 @@ def _check_resume(args, job):
             )
         if ck.get("rank", rank) != rank:
             raise ValueError(f"{path} holds rank {ck['rank']}'s state, not rank {rank}'s")
+        if first is not None and where(ck) != first:
+            raise ValueError(
+                f"{path} is of {where(ck)}, rank 0's of {first}: not one checkpoint (a job "
+                "stopped while writing it, or files of two runs under one path?)"
+            )
         return ck
 
     def where(ck):
@@ -697,12 +703,7 @@ def _check_resume(args, job):
         elif job.rank > 0:
             if not reading.exists():
                 raise FileNotFoundError(f"no checkpoint {reading}")
-            ck = load(job.rank)
-            if where(ck) != first:
-                raise ValueError(
-                    f"it is of {where(ck)}, rank 0's of {first}: not one checkpoint (a job "
-                    "stopped while writing it, or files of two runs under one path?)"
-                )
+            ck = load(job.rank, first)
         mine = _run_options(args, job.size)
         theirs = _saved_options(ck)
         diff = [k for k in mine if k != "world_size" and k in theirs and theirs[k] != mine[k]]
@@ -722,15 +723,7 @@ def _check_resume(args, job):
 
     problem, need = None, folded_ranks(P, job.size, job.rank)
     try:
-        states = {}
-        for r in need:
-            theirs = ck if r == job.rank else load(r)
-            if where(theirs) != first:
-                raise ValueError(
-                    f"rank {r}'s file is of {where(theirs)}, rank 0's of {first}: not one "
-                    "checkpoint"
-                )
-            states[r] = theirs["reducer"]
+        states = {r: (ck if r == job.rank else load(r, first))["reducer"] for r in need}
         ck["resize"] = (P, states or {0: ck["reducer"]})
     except Exception as e:  # noqa: BLE001 - as above
         problem = f"--resume: cannot read the checkpoints of ranks {need} ({e})"
