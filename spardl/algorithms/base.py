@@ -212,6 +212,7 @@ class Allreducer:
                     f"accepted: {sorted(self.options)}"
                 )
             self.opts = {**self.options, **options}
+            self.given_options = frozenset(options)  # what the caller named, for _setup's checks
             self._setup()
         except Exception as e:  # noqa: BLE001 - re-raised on this rank after the agreement
             err = e

@@ -96,7 +96,8 @@ class SparDL(Allreducer):
     selector : {"exact", "threshold"}, default "exact"
         How blocks are sparsified (:mod:`spardl.selection`).
     threshold_interval : int, default 32
-        τ' of the threshold selector (steps between exact recomputations), ≥ 1.
+        τ' of the threshold selector (steps between exact recomputations), ≥ 1. Given with
+        ``selector="exact"``, which has no threshold to reuse, it is a ``ValueError``.
 
     Raises
     ------
@@ -136,6 +137,11 @@ class SparDL(Allreducer):
         if tau < 1:
             raise ValueError(f"threshold_interval must be >= 1, got {tau}")
         kind = self.opts["selector"]
+        if kind == "exact" and "threshold_interval" in self.given_options:
+            raise ValueError(
+                "threshold_interval applies to selector='threshold' only; "
+                "selector='exact' computes the exact top-k every step"
+            )
         self.selector = (
             make_selector(kind, interval=int(tau)) if kind == "threshold" else make_selector(kind)
         )

@@ -288,6 +288,8 @@ def test_c7_mismatched_n_raises_everywhere(comm):
         ({"teams": 1.0}, TypeError, "teams"),
         ({"selector": "sampling"}, ValueError, "selector"),
         ({"threshold_interval": 0}, ValueError, "threshold_interval"),
+        ({"threshold_interval": 8}, ValueError, "threshold_interval applies to"),
+        ({"selector": "exact", "threshold_interval": 8}, ValueError, "selector='threshold' only"),
         ({"bogus": 1}, TypeError, "bogus"),
     ],
 )

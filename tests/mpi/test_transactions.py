@@ -28,9 +28,9 @@ def _configs():
         if algorithm == "spardl":
             teams = sorted({1, P} | ({2} if P % 2 == 0 else set()))
             variants = [
-                {"teams": d, "selector": s, "threshold_interval": 2}
-                for d in teams
-                for s in ("exact", "threshold")
+                {"teams": d, "selector": "exact"} for d in teams
+            ] + [
+                {"teams": d, "selector": "threshold", "threshold_interval": 2} for d in teams
             ]
         elif algorithm == "oktopk":
             variants = [

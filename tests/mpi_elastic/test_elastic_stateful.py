@@ -124,7 +124,9 @@ class ElasticSteps(RuleBasedStateMachine):
         opts = {"density": self.density, "op": self.op}
         if self.algorithm == "spardl":
             d = {"one": 1, "two": 2 if P % 2 == 0 else 1, "all": P}[self.teams]
-            opts.update(teams=d, selector=self.selector, threshold_interval=2)
+            opts.update(teams=d, selector=self.selector)
+            if self.selector == "threshold":
+                opts.update(threshold_interval=2)
         elif self.algorithm == "oktopk":
             opts.update(selector=self.selector, threshold_interval=2, region_interval=3)
         return opts
