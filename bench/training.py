@@ -259,12 +259,14 @@ def _args(argv):
 
 def _train_args(args, label: str, seed: int, out: Path) -> list[str]:
     """The ``spardl train`` arguments of one run: a config at one seed, written to ``out``."""
+    config = expand(CONFIGS[label], args.clip_norm, args.density_warmup)
+    # The dense runs take no --density (spardl train refuses options that would do nothing).
+    density = [] if config[:2] == ["--algorithm", "dense"] else ["--density", str(args.density)]
     train_args = [
         "--task",
         args.task,
-        *expand(CONFIGS[label], args.clip_norm, args.density_warmup),
-        "--density",
-        str(args.density),
+        *config,
+        *density,
         "--seed",
         str(seed),
         "--out",

@@ -160,8 +160,9 @@ def _add_reduction_options(p) -> None:
     p.add_argument(
         "--density",
         type=_RANGED["density"],
-        default=d["density"],
-        help="ρ, fraction of gradient entries sent (default: %(default)s)",
+        default=None,
+        help=f"ρ, fraction of gradient entries sent (the sparse algorithms; default: "
+        f"{d['density']})",
     )
     p.add_argument(
         "--teams",
@@ -172,8 +173,8 @@ def _add_reduction_options(p) -> None:
     p.add_argument(
         "--residual",
         choices=("global", "local", "none"),
-        default=d["residual"],
-        help="error feedback mode (default: %(default)s)",
+        default=None,
+        help=f"error feedback mode (the sparse algorithms; default: {d['residual']})",
     )
     p.add_argument(
         "--wire",
@@ -403,7 +404,29 @@ def _task_options(args) -> set:
     return set(_PER_TASK) - set(_TASK_ONLY[other])
 
 
+#: Options that shape only the sparse reduction: with --algorithm dense they would change
+#: nothing, so naming them there is a usage error (like --wire compact).
+_SPARSE_ONLY = ("density", "residual", "density_warmup", "warmup_density", "dense_numel")
+
+
+def _fill_sparse_options(args) -> list[str]:
+    """The options of :data:`_SPARSE_ONLY` given; then --density and --residual take their
+    defaults where not given."""
+    given = [name for name in _SPARSE_ONLY if getattr(args, name, None) is not None]
+    for name in ("density", "residual"):
+        if getattr(args, name, None) is None:
+            setattr(args, name, DEFAULTS[name])
+    return given
+
+
+def reported_density(args) -> float:
+    """The density a run's header, plot and metrics.json give: 1 for ``--algorithm dense``,
+    which sends every entry, else ``--density``."""
+    return 1.0 if args.algorithm == "dense" else args.density
+
+
 def _check_args(args, P: int) -> None:
+    sparse_only = _fill_sparse_options(args)
     for name, kind in _RANGED.items():
         v = getattr(args, name, None)
         unused = name in _OPTIONAL or (name in _PER_TASK and name not in _task_options(args))
@@ -435,6 +458,21 @@ def _check_args(args, P: int) -> None:
                 f"--stop-after must be a multiple of --eval-every={args.eval_every} (or "
                 f"--steps) in [1, --steps={args.steps}], got {stop}"
             )
+    if getattr(args, "wire", "coo") == "fp16" and args.algorithm != "dense":
+        raise UsageError(
+            f"--wire fp16 applies to --algorithm dense only (the sparse ones' 16-bit values: "
+            f"--wire compact), got --algorithm {args.algorithm}"
+        )
+    if getattr(args, "wire", "coo") == "compact" and args.algorithm == "dense":
+        raise UsageError(
+            "--wire compact applies to the sparse algorithms (dense sends no sparse messages; "
+            "its 16-bit form is --wire fp16)"
+        )
+    if args.algorithm == "dense" and sparse_only:
+        raise UsageError(
+            f"{_option(sparse_only[0])} applies to the sparse algorithms (--algorithm dense "
+            f"reduces every entry, with no residual)"
+        )
     if getattr(args, "warmup_density", None) is not None and not getattr(
         args, "density_warmup", None
     ):
@@ -450,16 +488,6 @@ def _check_args(args, P: int) -> None:
         )
     if args.momentum_correction and args.residual == "none":
         raise UsageError("--momentum-correction needs error feedback: not with --residual none")
-    if getattr(args, "wire", "coo") == "fp16" and args.algorithm != "dense":
-        raise UsageError(
-            f"--wire fp16 applies to --algorithm dense only (the sparse ones' 16-bit values: "
-            f"--wire compact), got --algorithm {args.algorithm}"
-        )
-    if getattr(args, "wire", "coo") == "compact" and args.algorithm == "dense":
-        raise UsageError(
-            "--wire compact applies to the sparse algorithms (dense sends no sparse messages; "
-            "its 16-bit form is --wire fp16)"
-        )
     if args.algorithm != "spardl" and args.teams != 1:
         raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
     if getattr(args, "explain", False) and args.algorithm != "auto":
@@ -987,7 +1015,7 @@ def _train_digits(tr: _Trainer, data: dict, resumed: dict | None) -> tuple[list[
     last_epoch = args.epochs if args.stop_after is None else args.stop_after
     tr.start_progress((last_epoch - start_epoch) * steps_per_epoch)
     tr.log(
-        f"spardl train: {args.algorithm} P={P} density={args.density} n={tr.n_params} "
+        f"spardl train: {args.algorithm} P={P} density={reported_density(args)} n={tr.n_params} "
         f"params, {data['n_train']} train / {len(data['x_test'])} test images, "
         f"{steps_per_epoch} steps/epoch"
         + (
@@ -1251,7 +1279,7 @@ def _run_metrics(args, P: int, n_params: int) -> dict:
         "task": args.task,
         "algorithm": args.algorithm,
         "world_size": P,
-        "density": args.density,
+        "density": reported_density(args),
         "teams": args.teams,
         "residual": args.residual,
         "hook": args.hook,

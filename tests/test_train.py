@@ -29,6 +29,8 @@ COMMON = [
     "3",
     "--no-progress",
 ]
+# The same job with MPI's dense allreduce (which takes no --density).
+DENSE = [*COMMON[:3], "--algorithm", "dense", *COMMON[7:]]
 REQUIRED = {
     "algorithm",
     "world_size",
@@ -206,6 +208,8 @@ def test_ddp_hook_resume_equals_uninterrupted_bit_for_bit(runs):
             ["--algorithm", "dense", "--wire", "compact"],
             "--wire compact applies to the sparse algorithms",
         ),
+        # Options that would change nothing for dense (COMMON gives --density).
+        (["--algorithm", "dense"], "--density applies to the sparse algorithms"),
     ],
 )
 def test_bad_option_is_a_usage_error_on_every_rank(tmp_path, option, message):
@@ -361,6 +365,34 @@ def test_bad_dgc_options_are_usage_errors(option, message):
         _check_args(args, 2)
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--density", "0.5"],
+        ["--residual", "none"],
+        ["--density-warmup", "3"],
+        ["--warmup-density", "0.5"],
+        ["--dense-numel", "5"],
+    ],
+)
+def test_sparse_only_options_with_dense_are_usage_errors(option):
+    """With --algorithm dense, which reduces every entry and keeps no residual, the options
+    that shape only the sparse reduction would change nothing: each is refused by name. Dense
+    alone takes the defaults and reports density 1."""
+    from spardl.cli import build_parser
+    from spardl.cli.common import UsageError
+    from spardl.train import _check_args, _resolve_task, reported_density
+
+    args = build_parser().parse_args(["train", *DENSE[3:], *option])
+    _resolve_task(args)
+    with pytest.raises(UsageError, match=f"^{option[0]} applies to the sparse algorithms"):
+        _check_args(args, 2)
+    args = build_parser().parse_args(["train", *DENSE[3:], "--momentum-correction"])
+    _resolve_task(args)
+    _check_args(args, 2)  # momentum correction moves the momentum: it applies to dense too
+    assert (args.density, args.residual, reported_density(args)) == (0.01, "global", 1.0)
+
+
 def test_explain_applies_to_auto_only():
     """--algorithm auto is a choice; --explain with another algorithm is a usage error."""
     from spardl.cli import build_parser
@@ -493,8 +525,8 @@ def test_fp16_wire_is_the_16_bit_dense_allreduce(tmp_path):
     _resolve_task(args)
     with pytest.raises(UsageError, match="--wire fp16 applies to --algorithm dense only"):
         _check_args(args, 2)
-    args = build_parser().parse_args(["train", *COMMON[3:], "--wire", "fp16"])
-    args.algorithm = "dense"
+    dense = [*DENSE, "--wire", "fp16"]
+    args = build_parser().parse_args(["train", *dense[3:]])
     _resolve_task(args)
     _check_args(args, 2)
     options = _allreducer_options(args)
@@ -502,7 +534,7 @@ def test_fp16_wire_is_the_16_bit_dense_allreduce(tmp_path):
     metrics = {}
     for wire in ("coo", "fp16"):
         out = tmp_path / wire
-        argv = [*COMMON, "--algorithm", "dense", "--wire", wire, "--epochs", "1"]
+        argv = [*DENSE, "--wire", wire, "--epochs", "1"]
         run_mpi(2, [*argv, "--out", str(out)], timeout=240, env=ENV)
         metrics[wire] = json.loads((out / "metrics.json").read_text())
     assert metrics["fp16"]["wire"] == "fp16"
