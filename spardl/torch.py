@@ -366,6 +366,9 @@ def _named_trainable(params) -> tuple[list, list]:
         parameter is not floating point.
     ValueError
         If ``params`` holds a parameter twice or none with ``requires_grad``.
+
+    A trainable tensor that is not a leaf of the autograd graph (the result of an operation,
+    such as ``w * 2``) gets no ``.grad`` from ``backward()``: a TypeError too.
     """
     if isinstance(params, torch.Tensor):
         raise TypeError(
@@ -381,6 +384,11 @@ def _named_trainable(params) -> tuple[list, list]:
         if id(p) in seen:
             raise ValueError(f"params holds the same parameter twice ({seen[id(p)]} and {name})")
         seen[id(p)] = name
+        if p.requires_grad and not p.is_leaf:
+            raise TypeError(
+                f"params must hold leaf tensors (parameters), got {name}, the result of an "
+                f"operation ({type(p.grad_fn).__name__}), which backward() gives no .grad"
+            )
         (named if p.requires_grad else frozen).append((name, p))
     if not named:
         raise ValueError("params holds no parameter with requires_grad=True")
@@ -2125,7 +2133,14 @@ class SparseGradientReducer(_Front):
             is frozen on some ranks and not on others, one that was frozen when the reducer was
             built has a gradient, or a rank calls reduce() again with no gradient changed since
             the last one (no backward pass in between).
+        spardl.NonFiniteError
+            On every rank, with ``nonfinite="raise"`` (the default), if the reduced gradient
+            holds NaN or Inf. Nothing of the step is applied (residuals, velocities and
+            schedules stay as they were) and every ``.grad`` is zeroed on every rank: skip
+            ``optimizer.step()`` and go on with the next batch.
         """
+        from .algorithms.base import NonFiniteError
+
         self._check_open()
         core, flat, o = self._core, self._flat, self._offsets
         m, P = len(self.params), core.ctl.size
@@ -2165,7 +2180,16 @@ class SparseGradientReducer(_Front):
             frozen, used = np.divmod(total[1:], P + 1)
             _check_frozen_everywhere(self.names, frozen, P)
             used = used > 0
-            out = core.run([(o[i], o[i + 1]) for i in np.flatnonzero(~used)])
+            try:
+                out = core.run([(o[i], o[i + 1]) for i in np.flatnonzero(~used)])
+            except NonFiniteError:
+                # As under DDP: every rank's gradients zero, so that an optimizer step taken
+                # anyway applies no rank's own (unreduced, perhaps NaN) gradient.
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+                self._written = []
+                raise
             for i, p in enumerate(self.params):
                 if not used[i] or not p.requires_grad:
                     continue

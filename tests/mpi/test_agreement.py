@@ -147,11 +147,42 @@ def test_a_list_after_a_float32_gradient_names_the_conversion(comm):
         (lambda m: torch.ones(3), TypeError, "got a single Tensor"),
         (lambda m: [], ValueError, "no parameter with requires_grad"),
         (lambda m: list(m.parameters()) * 2, ValueError, "the same parameter twice"),
+        # The result of an operation gets no .grad from backward(): never reduced.
+        (
+            lambda m: [torch.ones(3, requires_grad=True) * 2],
+            TypeError,
+            "leaf tensors .* got 0, the result of an operation",
+        ),
     ],
 )
 def test_bad_params_name_params(comm, params, error, message):
     with pytest.raises(error, match=message):
         st.SparseGradientReducer(params(_model()), comm)
+
+
+@pytest.mark.parametrize("algorithm", ["spardl", "dense"])
+def test_a_nonfinite_reduce_zeroes_every_gradient_on_every_rank(comm, algorithm):
+    """A NaN on one rank: NonFiniteError on every rank, and every .grad zero everywhere (an
+    optimizer step taken anyway applies no rank's own gradient, as under DDP); the next step
+    reduces as if the rejected one had not happened."""
+    model, twin = _model(), _model()
+    reducers = [
+        st.SparseGradientReducer(m.parameters(), comm, algorithm, density=0.5)
+        for m in (model, twin)
+    ]
+    x = torch.ones(3, 8) * (comm.rank + 1)
+    model(x).sum().backward()
+    if comm.rank == 0:
+        next(model.parameters()).grad[0, 0] = float("nan")
+    with pytest.raises(spardl.NonFiniteError):
+        reducers[0].reduce()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    for m, r in zip((model, twin), reducers, strict=True):
+        m.zero_grad()
+        m(x).sum().backward()
+        r.reduce()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_numpy_and_python_option_values_of_the_same_value_agree(comm):
