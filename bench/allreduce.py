@@ -35,7 +35,6 @@ call (Ethernet frames, from the node's interface counters, mean over nodes).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -50,24 +49,26 @@ from mpi4py import MPI
 # are this checkout's even where the editable install's finder is stale.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spardl  # noqa: E402
+from spardl.cli.common import DENSITY, NONNEGATIVE_INT, POSITIVE_INT, SEED, Parser  # noqa: E402
 
 
 def _args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # One line from rank 0 for a usage error, before any allreducer is built.
+    ap = Parser(prog="allreduce.py", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--algorithms",
         default=",".join(sorted(spardl.ALGORITHMS)),
         help="comma-separated names from spardl.ALGORITHMS (default: all)",
     )
-    ap.add_argument("--n", type=int, default=25_000_000, help="gradient length")
+    ap.add_argument("--n", type=POSITIVE_INT, default=25_000_000, help="gradient length")
     ap.add_argument(
         "--density",
-        type=float,
+        type=DENSITY,
         nargs="+",
         default=[0.01],
         help="one or several densities ρ (a sweep)",
     )
-    ap.add_argument("--teams", type=int, default=1, help="SparDL's d")
+    ap.add_argument("--teams", type=POSITIVE_INT, default=1, help="SparDL's d (divides P)")
     ap.add_argument(
         "--wire",
         nargs="+",
@@ -76,10 +77,10 @@ def _args(argv):
         help="wire formats of the sparse allreducers (several: one row each; a row of another "
         "format than coo is labelled 'algorithm (format)')",
     )
-    ap.add_argument("--repeat", type=int, default=10, help="timed calls per row")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed calls per row")
+    ap.add_argument("--repeat", type=POSITIVE_INT, default=10, help="timed calls per row")
+    ap.add_argument("--warmup", type=NONNEGATIVE_INT, default=3, help="untimed calls per row")
     ap.add_argument("--dtype", default="float32", choices=["float16", "float32", "float64"])
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=SEED, default=0)
     ap.add_argument(
         "--scale",
         type=float,
@@ -105,6 +106,9 @@ def _args(argv):
     unknown = [s for s in a.algorithms if s not in spardl.ALGORITHMS]
     if unknown:
         ap.error(f"unknown algorithm(s) {unknown}; known: {sorted(spardl.ALGORITHMS)}")
+    P = MPI.COMM_WORLD.size
+    if "spardl" in a.algorithms and P % a.teams:
+        ap.error(f"--teams must divide the number of ranks P={P}, got {a.teams}")
     return a
 
 

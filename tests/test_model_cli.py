@@ -89,6 +89,7 @@ def test_model_overrides_plot_and_errors(tmp_path):
         (["--plot", "{tmp}/missing/x.png"], "does not exist"),
         (["--plot", "{tmp}/x.xyz"], "--plot must end in one of"),
         (["--plot", "{tmp}"], "--plot must be a file name"),
+        (["--plot", "/proc/x.png"], "--plot: cannot write /proc/x.png"),
     ],
 )
 def test_model_rejects_what_it_cannot_print_or_plot(tmp_path, args, message):

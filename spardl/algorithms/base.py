@@ -291,7 +291,7 @@ class Allreducer:
         MPI libraries allow a bounded number per process (MPICH: about 2,000), so a program
         that builds allreducers repeatedly closes them, or uses them as context managers
         (``with spardl.make(...) as ar:``). Collective: every rank closes its allreducer at
-        the same point. Idempotent; the state (:meth:`state_dict`, :meth:`residual`,
+        the same point. Idempotent; the state (:meth:`state_dict`, :attr:`residual`,
         ``stats``) stays readable.
         """
         if getattr(self, "_closed", True):

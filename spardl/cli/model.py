@@ -223,6 +223,14 @@ def _check_plot_path(path) -> None:
         )
     if not p.parent.is_dir():
         raise ValueError(f"--plot: the directory {p.parent} does not exist")
+    existed = p.exists()
+    try:  # writable: opened for appending (nothing written), and removed again if it was new
+        with open(p, "ab"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--plot: cannot write {path}: {e.strerror or e}") from None
+    if not existed:
+        p.unlink()
 
 
 def _plot(rows, path, title):
@@ -292,7 +300,8 @@ def add_model(sub) -> None:
     p.add_argument(
         "--P",
         default="2-4096",
-        help="one value, a comma list or a range (powers of two) (default: 2-4096)",
+        help="one value, a comma list or a range LO-HI (LO, HI and the powers of two between) "
+        "(default: 2-4096)",
     )
     p.add_argument(
         "--algorithms", default=",".join(sorted(FORMULAS)), help="comma-separated (default: all)"
@@ -353,7 +362,11 @@ def model_main(args) -> int:
         print("# bold: the cheapest at that P; spardl at its best d (last column)")
         print(_table(rows))
     if args.plot:
-        _plot(rows, args.plot, title)
+        try:
+            _plot(rows, args.plot, title)
+        except OSError as e:  # the path was writable a moment ago
+            print(f"spardl model: error: --plot: cannot write {args.plot}: {e}", file=sys.stderr)
+            return 2
         if not args.json:
             print(f"wrote {args.plot}")
     return 0

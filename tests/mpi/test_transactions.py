@@ -27,9 +27,7 @@ def _configs():
         variants = [{}]
         if algorithm == "spardl":
             teams = sorted({1, P} | ({2} if P % 2 == 0 else set()))
-            variants = [
-                {"teams": d, "selector": "exact"} for d in teams
-            ] + [
+            variants = [{"teams": d, "selector": "exact"} for d in teams] + [
                 {"teams": d, "selector": "threshold", "threshold_interval": 2} for d in teams
             ]
         elif algorithm == "oktopk":
