@@ -466,26 +466,35 @@ def _load(obj, states, world_size, err) -> None:
         raise
 
 
-def _agree_on_save(comm: Comm, obj, what: str, root, none: bool) -> None:
+def _agree_on_save(comm: Comm, obj, what: str, root, none: bool, path=...) -> None:
     """The collective check that starts a save or a gather: every rank is in the same one,
-    with the same valid root (None, where ``none``: every rank), so a rank that is elsewhere
-    (stepping, say) makes every rank raise instead of leaving the root waiting for its
-    state."""
+    with the same valid root (None, where ``none``: every rank) and the same ``path`` (a save),
+    so a rank that is elsewhere (stepping, say) makes every rank raise instead of leaving the
+    root waiting for its state, and no rank believes it saved to a file that was not
+    written."""
     err = None
     try:
         if root is not None or not none:
             check_int("root", root)
             if not 0 <= root < comm.size:
                 raise ValueError(f"root must be in [0, {comm.size}), got {root}")
+        if path is not ...:
+            try:
+                path = os.fsdecode(path)
+            except TypeError:
+                raise TypeError(
+                    f"path must be a str or os.PathLike, got {type(path).__name__}"
+                ) from None
     except (TypeError, ValueError) as e:
         err = e
     field = -1 if root is None or err is not None else int(root)
-    collective_check(
-        comm,
-        err,
-        [name_hash(f"spardl.elastic.{what}"), field],
-        {what: _algorithm(obj), "root": None if err is not None else root},
-    )
+    fields = [name_hash(f"spardl.elastic.{what}"), field]
+    described = {what: _algorithm(obj), "root": None if err is not None else root}
+    if path is not ...:
+        ok = err is None
+        fields.append(name_hash(path) if ok else -1)
+        described["path"] = path if ok else None
+    collective_check(comm, err, fields, described)
 
 
 def gather_state(obj, root: int | None = 0) -> dict | None:
@@ -679,8 +688,10 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
     TypeError
         If ``obj`` is not one of the three kinds (on this rank, before any message).
     ValueError, TypeError
-        On every rank, if ``root`` is not a rank, or the ranks are not all in this save with
-        the same root (one stepping while the others save, say).
+        On every rank, if ``root`` is not a rank, ``path`` is not a path, or the ranks are not
+        all in this save with the same root and the same ``path`` (one stepping while the
+        others save, say, or a path that names each rank: the file is one, and every rank
+        loads it from the same path).
 
     Notes
     -----
@@ -691,7 +702,7 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
     """
     _kind(obj)
     comm = _control(obj)
-    _agree_on_save(comm, obj, "save_checkpoint", root, none=False)
+    _agree_on_save(comm, obj, "save_checkpoint", root, none=False, path=path)
     state = _local_state(obj)
     err = None
     if comm.rank == root:

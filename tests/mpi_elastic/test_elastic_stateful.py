@@ -413,8 +413,14 @@ def test_a_save_or_gather_on_one_rank_while_the_others_step_fails_everywhere():
             elastic.save_checkpoint(ar, path, root=W if ME == 0 else 0)
         with pytest.raises(TypeError, match="root must be an integer"):
             elastic.save_checkpoint(ar, path, root=None)  # gather_state's "every rank" only
+        # One file, loaded by every rank from the same path: a path per rank is refused.
+        if W > 1:
+            with pytest.raises(ValueError, match="ranks disagree on path"):
+                elastic.save_checkpoint(ar, f"{path}.{ME}")
+        with pytest.raises(TypeError, match="path must be a str or os.PathLike, got int"):
+            elastic.save_checkpoint(ar, 7 if ME == 0 else path)
         assert ar.step == 1
     assert_identical_everywhere(WORLD, ar(g))
-    assert not os.path.exists(path)
+    assert not any(f.startswith("mismatched.zip") for f in os.listdir(DIR))
     _free(ar)
     WORLD.Barrier()
