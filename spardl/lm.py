@@ -350,8 +350,6 @@ def train(tr, data: dict, resumed: dict | None) -> tuple[list[dict], dict]:
     metrics : dict
         The task's entries of metrics.json, ``final_val_bits_per_char`` among them.
     """
-    from .train import reported_density
-
     args, job, rank, P = tr.args, tr.job, tr.rank, tr.P
     history = resumed["history"] if resumed else []
     step = resumed["step"] if resumed else 0
@@ -360,7 +358,7 @@ def train(tr, data: dict, resumed: dict | None) -> tuple[list[dict], dict]:
     trained_s = history[-1]["seconds"] if history else 0.0
     tr.start_progress(last - step)
     tr.log(
-        f"spardl train --task lm: {args.algorithm} P={P} density={reported_density(args)} "
+        f"spardl train --task lm: {args.algorithm} P={P} density={tr.density} "
         f"n={tr.n_params} params, vocabulary {len(data['vocab'])}, "
         f"{data['train_chars']} train / {data['val_chars']} validation characters, "
         f"{len(data['shard'])} on this rank"

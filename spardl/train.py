@@ -928,6 +928,7 @@ class _Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.stats = (reducer if reducer is not None else hook_state).stats
         self.progress = None
+        self.density = reported_density(args)  # what the header says (1 for dense)
 
     def start_progress(self, total: int) -> None:
         """A progress bar of ``total`` steps on rank 0 (unless ``--no-progress``)."""
@@ -1015,7 +1016,7 @@ def _train_digits(tr: _Trainer, data: dict, resumed: dict | None) -> tuple[list[
     last_epoch = args.epochs if args.stop_after is None else args.stop_after
     tr.start_progress((last_epoch - start_epoch) * steps_per_epoch)
     tr.log(
-        f"spardl train: {args.algorithm} P={P} density={reported_density(args)} n={tr.n_params} "
+        f"spardl train: {args.algorithm} P={P} density={tr.density} n={tr.n_params} "
         f"params, {data['n_train']} train / {len(data['x_test'])} test images, "
         f"{steps_per_epoch} steps/epoch"
         + (
