@@ -18,6 +18,7 @@ checkpoints, metrics) are in :mod:`spardl.train`. Importing this module does not
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -78,13 +79,21 @@ def load_split(seed: int, val_fraction: float = DEFAULTS["val_fraction"]):
     train_names, val_names : list of str
         The topic names of each set (disjoint; together every topic).
     """
+    train_text, val_text, train_names, val_names = _split(seed, val_fraction)
+    return train_text, val_text, list(train_names), list(val_names)
+
+
+@functools.cache
+def _split(seed: int, val_fraction: float) -> tuple[str, str, tuple, tuple]:
+    """:func:`load_split`'s work, done once per process and arguments (a run's start-up checks,
+    its model count and its data all read the split)."""
     from pydoc_data.topics import topics
 
     names = sorted(topics)
     order = np.random.default_rng([seed, 0x1A7]).permutation(len(names))
     n_val = max(1, round(val_fraction * len(names)))
-    val_names = [names[i] for i in order[:n_val]]
-    train_names = [names[i] for i in order[n_val:]]
+    val_names = tuple(names[i] for i in order[:n_val])
+    train_names = tuple(names[i] for i in order[n_val:])
     train_text = "\n\n".join(topics[n] for n in train_names)
     val_text = "\n\n".join(topics[n] for n in val_names)
     return train_text, val_text, train_names, val_names

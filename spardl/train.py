@@ -1282,7 +1282,7 @@ def _run_metrics(args, P: int, n_params: int) -> dict:
         "world_size": P,
         "density": reported_density(args),
         "teams": args.teams,
-        "residual": args.residual,
+        "residual": None if args.algorithm == "dense" else args.residual,
         "hook": args.hook,
         "batch_size": args.batch_size,
         "lr": args.lr,

@@ -539,6 +539,7 @@ def test_fp16_wire_is_the_16_bit_dense_allreduce(tmp_path):
         metrics[wire] = json.loads((out / "metrics.json").read_text())
     assert metrics["fp16"]["wire"] == "fp16"
     assert metrics["coo"]["density"] == metrics["fp16"]["density"] == 1.0  # dense sends all
+    assert [metrics[w]["residual"] for w in ("coo", "fp16")] == [None, None]  # keeps no residual
     # Per step at P = 2: 2n + 8 bytes (n halves, then one float64 for the scale) against
     # 4(n + 1) (n floats and the bound).
     n = metrics["coo"]["n_params"]
