@@ -44,13 +44,15 @@ def make(algorithm: str, comm, n: int, **options) -> Allreducer:
         "gaussiank" or "dense"; or "auto" (:class:`~spardl.algorithms.auto.Auto`: the candidate
         predicted fastest, re-chosen as it runs; not a key of :data:`ALGORITHMS`, whose entries
         are the algorithms themselves).
-    comm : mpi4py.MPI.Intracomm
-        The communicator (duplicated inside). P = ``comm.Get_size()``.
+    comm : mpi4py.MPI.Intracomm or spardl.comm.Comm
+        The communicator (an mpi4py one is duplicated inside; a spardl Comm is shared).
+        P = its size.
     n : int
         Gradient length.
     **options
-        ``density``, ``op``, ``residual``, ``nonfinite``, ``check`` and the algorithm's own
-        options (e.g. ``teams`` for SparDL); see each class.
+        ``density``, ``op``, ``residual``, ``nonfinite``, ``check``, ``wire`` and the
+        algorithm's own options (e.g. ``teams`` for SparDL, ``wire_dtype`` for dense); see each
+        class.
 
     Returns
     -------
@@ -71,7 +73,12 @@ def make(algorithm: str, comm, n: int, **options) -> Allreducer:
     if cls is not None:
         return cls(comm, n, **options)
     c = comm if isinstance(comm, Comm) else Comm(comm)
-    err = ValueError(f"algorithm must be one of {sorted(ALGORITHMS)} or 'auto', got {algorithm!r}")
+    if isinstance(algorithm, str):
+        err = ValueError(
+            f"algorithm must be one of {sorted(ALGORITHMS)} or 'auto', got {algorithm!r}"
+        )
+    else:
+        err = TypeError(f"algorithm must be a string, got {type(algorithm).__name__}")
     # Same collective sequence as a constructor, so ranks that did name a known algorithm
     # fail with this rank instead of waiting for it.
     try:

@@ -360,8 +360,10 @@ class Cluster:
 
     Raises
     ------
+    TypeError
+        For an argument of the wrong type (named).
     ValueError
-        For bad arguments (named).
+        For an argument out of range or malformed (named).
     ClusterError
         On entry, if the machine cannot create the cluster (see :func:`check`).
 

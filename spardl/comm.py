@@ -50,6 +50,7 @@ from mpi4py import MPI
 from spardl_kernels.cpu import wire as wire_codec
 
 from . import _arrays as A
+from ._checks import check_bool, check_int, type_name
 
 __all__ = [
     "Comm",
@@ -502,10 +503,11 @@ class Comm:
     Raises
     ------
     TypeError
-        If ``mpi_comm`` is not an mpi4py intracommunicator.
+        If ``mpi_comm`` is not an mpi4py intracommunicator, or ``dup`` is not a bool.
     """
 
     def __init__(self, mpi_comm, *, dup: bool = True, _acct: _Accounting | None = None):
+        check_bool("dup", dup)
         if isinstance(mpi_comm, Comm):
             mpi_comm = mpi_comm._mpi
         if not isinstance(mpi_comm, MPI.Intracomm):
@@ -620,7 +622,13 @@ class Comm:
         With ``timed``, also clock every MPI call of this communicator and of those split from
         it: returns the live list ``[wall seconds, thread-CPU seconds, calls]`` spent inside MPI
         (busy-polling included), summed until :meth:`stop_trace`. Without it returns None.
+
+        Raises
+        ------
+        TypeError
+            If ``timed`` is not a bool.
         """
+        check_bool("timed", timed)
         self._acct.trace = []
         self._acct.clock = [0.0, 0.0, 0] if timed else None
         return self._acct.clock
@@ -1128,10 +1136,26 @@ def abort_on_exception(comm, code: int = 1, reraise=()):
         the same point, before or outside any collective (option checks made from the options
         and P alone).
 
+    Raises
+    ------
+    TypeError
+        On entering, if ``comm`` is not an mpi4py communicator or a :class:`Comm`, ``code``
+        not an integer, or ``reraise`` not an exception type or a tuple of them: checked
+        before the body runs, since a bad ``reraise`` would otherwise fail only when the body
+        raises, and end this rank without the abort that frees the others.
+
     Notes
     -----
     ``SystemExit`` with status 0 or None (a clean ``sys.exit()``) passes through untouched.
     """
+    if not isinstance(comm, (Comm, MPI.Comm)):
+        raise TypeError(
+            f"comm must be an mpi4py communicator or a spardl Comm, got {type_name(comm)}"
+        )
+    check_int("code", code)
+    types = reraise if isinstance(reraise, tuple) else (reraise,)
+    if not all(isinstance(t, type) and issubclass(t, BaseException) for t in types):
+        raise TypeError(f"reraise must be an exception type or a tuple of them, got {reraise!r}")
     try:
         yield
     except reraise:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._checks import check_int
+
 __all__ = ["SparseResult"]
 
 
@@ -12,8 +14,24 @@ class SparseResult:
 
     Parameters
     ----------
-    indices, values, n
-        The attributes below (the sparse form). :meth:`from_dense` builds the dense form.
+    indices : array_like of shape (nnz,), integer dtype
+        Strictly ascending positions in ``[0, n)`` (kept as int64).
+    values : array_like of shape (nnz,), floating dtype
+        The value at each position.
+    n : int
+        Length of the dense vector, ≥ 0.
+
+    :meth:`from_dense` builds the dense form. Device arrays (``__cuda_array_interface__``)
+    are taken as they are: their shapes and dtypes are checked, not their contents.
+
+    Raises
+    ------
+    TypeError
+        If ``n`` is not an integer, ``indices`` not of an integer dtype or ``values`` not of a
+        floating one.
+    ValueError
+        If ``n`` is negative, ``indices`` or ``values`` not 1-D or not of one length, or
+        ``indices`` not strictly ascending in ``[0, n)``.
 
     Attributes
     ----------
@@ -49,11 +67,49 @@ class SparseResult:
 
     __slots__ = ("n", "_indices", "_values", "_dense")
 
-    def __init__(self, indices: np.ndarray, values: np.ndarray, n: int):
+    def __init__(self, indices, values, n: int):
+        from . import _arrays as A
+
+        if check_int("n", n) < 0:
+            raise ValueError(f"n must be ≥ 0, got {n}")
+        device = A.is_device(indices) or A.is_device(values)
+        if not device:
+            indices, values = np.asarray(indices), np.asarray(values)
+            if indices.dtype == object or values.dtype == object:
+                raise TypeError("indices and values must be arrays of numbers")
+        for name, a in (("indices", indices), ("values", values)):
+            if len(a.shape) != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {tuple(a.shape)}")
+        if indices.shape != values.shape:
+            raise ValueError(
+                f"indices and values must have one length, got {indices.shape[0]} and "
+                f"{values.shape[0]}"
+            )
+        if np.dtype(indices.dtype).kind not in "iu":
+            raise TypeError(f"indices must have an integer dtype, got {np.dtype(indices.dtype)}")
+        if np.dtype(values.dtype).kind != "f":
+            raise TypeError(f"values must have a floating dtype, got {np.dtype(values.dtype)}")
+        if not device:
+            if indices.size and (
+                indices[0] < 0 or indices[-1] >= n or not np.all(indices[1:] > indices[:-1])
+            ):
+                raise ValueError(f"indices must be strictly ascending in [0, {n}), n = {n}")
+            indices = indices.astype(np.int64, copy=False)
+        self._set(indices, values, int(n))
+
+    def _set(self, indices, values, n: int) -> None:
         object.__setattr__(self, "n", n)
         object.__setattr__(self, "_indices", indices)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_dense", None)
+
+    @classmethod
+    def _of(cls, indices, values, n: int) -> SparseResult:
+        """The sparse form of an allreducer's own output, taken as it is (no checks: its indices
+        are int64, ascending and in range by construction)."""
+        out = cls.__new__(cls)
+        out._set(indices, values, n)
+        return out
 
     @classmethod
     def from_dense(cls, vector) -> SparseResult:
@@ -70,7 +126,7 @@ class SparseResult:
         SparseResult
             ``n = len(vector)``; :attr:`indices` and :attr:`values` are made on first read.
         """
-        out = cls(None, None, int(vector.shape[0]))
+        out = cls._of(None, None, int(vector.shape[0]))
         object.__setattr__(out, "_dense", vector)
         return out
 

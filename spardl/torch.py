@@ -125,10 +125,16 @@ def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=N
     RuntimeError
         If a process group is already initialised with another rank or size.
     TypeError
-        If ``comm`` is not an mpi4py intracommunicator.
+        If ``comm`` is not an mpi4py intracommunicator, or ``backend`` not a string or None.
+    ValueError
+        If ``backend`` is "nccl" and this node has no CUDA device.
     """
     import torch.distributed as dist
 
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or None, got {type_name(backend)}")
+    if backend == "nccl" and torch.cuda.device_count() == 0:
+        raise ValueError('backend="nccl" needs a CUDA device, and none is visible: use "gloo"')
     c = Comm(_world() if comm is None else comm)
     try:
         rank, size = c.rank, c.size
@@ -264,7 +270,19 @@ def warmup_density_at(step: int, warmup: int, start: float, target: float) -> fl
     Returns
     -------
     float
+        ρ_s, in (0, 1]: between ``start`` and ``target``.
+
+    Raises
+    ------
+    TypeError
+        If ``step`` or ``warmup`` is not an integer, or ``start`` or ``target`` not a float.
+    ValueError
+        If ``step`` or ``warmup`` is negative, or ``start`` or ``target`` outside (0, 1].
     """
+    for name, v in (("step", step), ("warmup", warmup)):
+        if check_int(name, v) < 0:
+            raise ValueError(f"{name} must be ≥ 0, got {v}")
+    start, target = check_density("start", start), check_density("target", target)
     if step >= warmup:
         return float(target)
     return float(start * (target / start) ** (step / warmup))
@@ -901,14 +919,14 @@ class _Core:
 
         idx = torch.nonzero(self.flat).flatten()
         vals = self.flat[idx]
-        return SparseResult(_vector(idx), _vector(vals), self.n)
+        return SparseResult._of(_vector(idx), _vector(vals), self.n)
 
     def _empty(self):
         from .result import SparseResult
 
         flat = self.flat
         idx = torch.zeros(0, dtype=torch.int64, device=flat.device)
-        return SparseResult(_vector(idx), _vector(flat[:0]), self.n)
+        return SparseResult._of(_vector(idx), _vector(flat[:0]), self.n)
 
     def _warm_density(self, ar, dense: bool):
         """Move ρ to this step's density warm-up value; returns the allreducer's snapshot

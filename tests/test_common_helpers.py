@@ -59,6 +59,25 @@ def test_folded_normal_quantile_shifted(mu):
     assert folded_normal_tail_quantile(0.3, mu, 0.0) == abs(mu)
 
 
+@pytest.mark.parametrize(
+    "q, mu, sigma, error, match",
+    [
+        (0.0, 0.0, 1.0, ValueError, "q must be in"),
+        (-0.1, 0.0, 1.0, ValueError, "q must be in"),
+        (1.5, 0.0, 1.0, ValueError, "q must be in"),
+        (math.nan, 0.0, 1.0, ValueError, "q must be in"),
+        ("0.1", 0.0, 1.0, TypeError, "q must be a float"),
+        (0.1, math.inf, 1.0, ValueError, "mu must be finite"),
+        (0.1, 0.0, -1.0, ValueError, "sigma must be finite and ≥ 0"),
+        (0.1, 0.0, math.nan, ValueError, "sigma must be finite"),
+        (0.1, None, 1.0, TypeError, "mu must be a float"),
+    ],
+)
+def test_folded_normal_quantile_refuses_values_outside_its_ranges(q, mu, sigma, error, match):
+    with pytest.raises(error, match=match):
+        folded_normal_tail_quantile(q, mu, sigma)
+
+
 def test_break_even_rule():
     # float64 with int32 indices: 12 bytes a pair against 8 a dense value -> switch at 2/3·len.
     assert sparse_is_smaller(66, 100, 4, 8)

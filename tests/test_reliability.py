@@ -25,3 +25,48 @@ def test_a_failing_rank_ends_the_job(algorithm, mode):
     assert "injected fault" in proc.stderr
     assert "finished" not in proc.stdout
     assert elapsed < 30, f"job took {elapsed:.1f}s to end"
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((None,), "comm must be an mpi4py communicator or a spardl Comm, got NoneType"),
+        (("self", "x"), "code must be an integer, got str"),
+        (("self", True), "code must be an integer, got bool"),
+        (("self", 1, 5), "reraise must be an exception type or a tuple of them, got 5"),
+        (("self", 1, (ValueError, int)), "reraise must be an exception type"),
+    ],
+)
+def test_abort_on_exception_checks_its_arguments_before_the_body(args, match):
+    """A bad argument is a TypeError on entering, before the body runs: found only when the
+    body raised, it would end this rank without the abort that frees the others."""
+    from mpi4py import MPI
+
+    args = tuple(MPI.COMM_SELF if a == "self" else a for a in args)
+    ran = []
+    with pytest.raises(TypeError, match=match):
+        with spardl.abort_on_exception(*args):
+            ran.append(1)
+    assert ran == []
+
+
+def test_abort_on_exception_passes_reraise_types_through():
+    from mpi4py import MPI
+
+    with pytest.raises(KeyError):
+        with spardl.abort_on_exception(MPI.COMM_SELF, reraise=(KeyError, ValueError)):
+            raise KeyError("x")
+
+
+def test_comm_checks_its_flags():
+    from mpi4py import MPI
+
+    with pytest.raises(TypeError, match="dup must be a bool, got str"):
+        spardl.Comm(MPI.COMM_SELF, dup="no")
+    c = spardl.Comm(MPI.COMM_SELF)
+    try:
+        with pytest.raises(TypeError, match="timed must be a bool, got int"):
+            c.start_trace(timed=1)
+        assert not c.tracing
+    finally:
+        c.free()

@@ -81,3 +81,33 @@ def test_results_are_read_only():
         r.n = 4
     with pytest.raises(AttributeError):
         r.indices = np.arange(3)
+
+
+@pytest.mark.parametrize(
+    "indices, values, n, error, match",
+    [
+        ([5], [1.0], 3, ValueError, "ascending in \\[0, 3\\)"),
+        ([-1], [1.0], 3, ValueError, "ascending"),
+        ([2, 1], [1.0, 1.0], 3, ValueError, "ascending"),
+        ([1, 1], [1.0, 1.0], 3, ValueError, "ascending"),
+        ([0, 1], [1.0], 3, ValueError, "one length"),
+        ([[0]], [[1.0]], 3, ValueError, "indices must be 1-D"),
+        ([0.0], [1.0], 3, TypeError, "indices must have an integer dtype"),
+        ([0], [1], 3, TypeError, "values must have a floating dtype"),
+        ([0], ["a"], 3, TypeError, "values must have a floating dtype"),
+        ([0], [1.0], -3, ValueError, "n must be ≥ 0"),
+        ([0], [1.0], 3.0, TypeError, "n must be an integer"),
+        ([0], [1.0], True, TypeError, "n must be an integer"),
+    ],
+)
+def test_the_constructor_refuses_what_is_not_a_sparse_vector(indices, values, n, error, match):
+    with pytest.raises(error, match=match):
+        SparseResult(indices, values, n)
+
+
+def test_the_constructor_takes_array_likes_and_keeps_int64_indices():
+    r = SparseResult([0, 2], np.array([1.5, -2.0], np.float32), 3)
+    assert r.indices.dtype == np.int64 and r.nnz == 2 and r.n == 3
+    np.testing.assert_array_equal(r.to_dense(), np.array([1.5, 0.0, -2.0], np.float32))
+    empty = SparseResult(np.array([], np.int32), np.array([], np.float64), 0)
+    assert empty.to_dense().shape == (0,) and empty.indices.dtype == np.int64

@@ -118,6 +118,32 @@ def test_density_warmup_falls_exponentially_to_the_target():
 
 
 @pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((2, 10, 0.25, 5), ValueError, r"target must be in \(0, 1\]"),
+        ((2, 10, 0.0, 0.01), ValueError, r"start must be in \(0, 1\]"),
+        ((2, 10, -0.25, 0.01), ValueError, "start must be in"),
+        ((2, 10, "0.25", 0.01), TypeError, "start must be a float"),
+        ((-2, 10, 0.25, 0.01), ValueError, "step must be ≥ 0"),
+        ((2, -1, 0.25, 0.01), ValueError, "warmup must be ≥ 0"),
+        ((2.0, 10, 0.25, 0.01), TypeError, "step must be an integer"),
+        ((2, True, 0.25, 0.01), TypeError, "warmup must be an integer"),
+    ],
+)
+def test_warmup_density_at_refuses_bad_arguments(args, error, match):
+    with pytest.raises(error, match=match):
+        st.warmup_density_at(*args)
+
+
+def test_nccl_without_a_cuda_device_is_a_value_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match='backend="nccl" needs a CUDA device'):
+        st.init_process_group_from_mpi(MPI.COMM_SELF, backend="nccl")
+    with pytest.raises(TypeError, match="backend must be a string or None"):
+        st.init_process_group_from_mpi(MPI.COMM_SELF, backend=1)
+
+
+@pytest.mark.parametrize(
     ("options", "error", "message"),
     [
         ({"momentum_correction": 1.0}, ValueError, r"momentum_correction must be in \[0, 1\)"),

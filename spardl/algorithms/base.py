@@ -118,7 +118,9 @@ class Allreducer:
     Parameters
     ----------
     comm : mpi4py.MPI.Intracomm or spardl.comm.Comm
-        The communicator; P = its size. Duplicated, so messages never mix with the caller's.
+        The communicator; P = its size. An mpi4py communicator is duplicated, so messages never
+        mix with the caller's; a :class:`spardl.comm.Comm` is used as it is (shared, and not
+        freed by :meth:`close`).
     n : int
         Gradient length, ≥ 1, the same on every rank.
     density : float, default 0.01
@@ -624,7 +626,7 @@ class Allreducer:
             values = A.divide(sums, self.P) if self.op == "mean" and self.P > 1 else sums
             values = A.cast(values, self._dtype, copy=False)
         indices, values = _without_zeros(indices, values)
-        return SparseResult(indices, values, self.n)
+        return SparseResult._of(indices, values, self.n)
 
     def _not_applied(self, device) -> SparseResult:
         """A reduced gradient with NaN or Inf: raise :class:`NonFiniteError` (``"raise"``) or
@@ -636,7 +638,9 @@ class Allreducer:
                 "the step was not applied (the allreducer's state is unchanged)"
             )
         self.comm.stats["skipped_steps"] += 1
-        return SparseResult(A.empty(0, np.int64, device), A.empty(0, self._dtype, device), self.n)
+        return SparseResult._of(
+            A.empty(0, np.int64, device), A.empty(0, self._dtype, device), self.n
+        )
 
     def _round_keeping_remainder(self, indices, sums):
         """The output in the gradient's dtype (float16) from the work-dtype (float32) sums; the

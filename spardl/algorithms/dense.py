@@ -81,6 +81,24 @@ class Dense(Allreducer):
     g / P, as PyTorch's DistributedDataParallel computes it; for P a power of two that is the
     sum divided by P, bit for bit), the same on every rank and on the GPU path
     (``tests/mpi/test_dense.py``).
+
+    Parameters
+    ----------
+    comm, n, density, op, residual, nonfinite, check, wire
+        See :class:`spardl.algorithms.base.Allreducer`; ``density``, ``residual`` and ``wire``
+        are checked and have no effect.
+    wire_dtype : {None, "float16"}, default None
+        None: the sum in the work dtype (float32 for float16 and float32 gradients, float64
+        for float64). "float16": the scaled 16-bit allreduce described above.
+
+    Raises
+    ------
+    TypeError
+        On every rank, if ``wire_dtype`` is neither None nor a string, or a common argument is
+        of the wrong type.
+    ValueError
+        On every rank, if ``wire_dtype`` is a string other than "float16", a common argument
+        is out of range, or the ranks disagree.
     """
 
     name = "dense"

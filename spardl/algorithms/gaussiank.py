@@ -15,7 +15,7 @@ import numpy as np
 
 from spardl_kernels import count_above, select_above, topk_abs
 
-from .._checks import check_int
+from .._checks import check_density, check_float, check_int
 from .base import Allreducer, Reduced
 from .common import allgather_sum, error_feedback, keep_remainder
 
@@ -42,12 +42,25 @@ def folded_normal_tail_quantile(q: float, mu: float, sigma: float) -> float:
     float
         The threshold t. q = 1 gives 0; σ = 0 gives |μ| (every entry ties there).
 
+    Raises
+    ------
+    TypeError
+        If ``q``, ``mu`` or ``sigma`` is not a real number.
+    ValueError
+        If ``q`` is outside (0, 1], ``mu`` not finite, or ``sigma`` negative or not finite.
+
     Notes
     -----
     P(|Y| ≥ t) = ½·erfc((t − μ)/(σ√2)) + ½·erfc((t + μ)/(σ√2)) decreases in t ≥ 0; it is solved by
     bisection with :func:`math.erfc` (accurate far into the tail, where 1 − Φ loses digits), so no
     SciPy is needed. 200 halvings of [0, |μ| + 40σ] reach float64 resolution.
     """
+    q = check_density("q", q)
+    mu, sigma = float(check_float("mu", mu)), float(check_float("sigma", sigma))
+    if not math.isfinite(mu):
+        raise ValueError(f"mu must be finite, got {mu}")
+    if not (math.isfinite(sigma) and sigma >= 0.0):
+        raise ValueError(f"sigma must be finite and ≥ 0, got {sigma}")
     if q >= 1.0 or sigma == 0.0:
         return 0.0 if q >= 1.0 else abs(mu)
     s = sigma * math.sqrt(2.0)
@@ -72,10 +85,16 @@ class Gaussiank(Allreducer):
 
     Parameters
     ----------
-    comm, n, density, op, residual, nonfinite, check
+    comm, n, density, op, residual, nonfinite, check, wire
         See :class:`spardl.algorithms.base.Allreducer`.
     corrections : int, default 4
         The most correction passes (each one ``count_above``), ≥ 0.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, naming the argument, if any rank's arguments (``corrections`` included)
+        are invalid or the ranks disagree.
 
     Notes
     -----

@@ -38,8 +38,14 @@ class GTopk(Allreducer):
 
     Parameters
     ----------
-    comm, n, density, op, residual, nonfinite, check
+    comm, n, density, op, residual, nonfinite, check, wire
         See :class:`spardl.algorithms.base.Allreducer`.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, naming the argument, if any rank's arguments are invalid or the ranks
+        disagree (:class:`spardl.algorithms.base.Allreducer`).
 
     Notes
     -----

@@ -25,7 +25,7 @@ import numpy as np
 import spardl_kernels as K
 
 from .. import _arrays as A
-from .._checks import check_int
+from .._checks import check_int, type_name
 from ..comm import (
     pack_blocks,
     pack_wire,
@@ -84,16 +84,6 @@ def region_fields(bounds, global_threshold) -> list[int]:
 class OkTopk(Allreducer):
     """Ok-Topk sparse allreduce on the project's kernels.
 
-    Options (besides those of :class:`~spardl.algorithms.base.Allreducer`):
-
-    threshold_interval : int, default 32
-        τ': the local and the global thresholds are computed exactly every τ' steps (step 0
-        included) and reused, nudged towards k selected entries, in between.
-    region_interval : int, default 64
-        τ: the region boundaries are recomputed every τ steps (step 0 included).
-    selector : {"threshold", "exact"}, default "threshold"
-        Local selection: Ok-Topk's threshold reuse, or the exact top-k every step.
-
     Per step and rank, with k = ⌊ρn⌋ and M the number of entries in the output:
 
     * "split_reduce": P−1 point-to-point messages (one packed message per destination), plus
@@ -112,6 +102,18 @@ class OkTopk(Allreducer):
     fell below the global threshold stay with the rank that selected them, so
     Σ_r X_r = P·out + Σ_r E_r holds (op="mean"). With ``residual="local"``, E_r = X_r with every
     locally selected entry zeroed, as in plain error feedback (the dropped ones are lost).
+
+    Parameters
+    ----------
+    comm, n, density, op, residual, nonfinite, check, wire
+        See :class:`spardl.algorithms.base.Allreducer`.
+    threshold_interval : int, default 32
+        τ': the local and the global thresholds are computed exactly every τ' steps (step 0
+        included) and reused, nudged towards k selected entries, in between. ≥ 1.
+    region_interval : int, default 64
+        τ: the region boundaries are recomputed every τ steps (step 0 included). ≥ 1.
+    selector : {"threshold", "exact"}, default "threshold"
+        Local selection: Ok-Topk's threshold reuse, or the exact top-k every step.
 
     Raises
     ------
@@ -177,6 +179,8 @@ class OkTopk(Allreducer):
         self.tau_prime = _positive_int("threshold_interval", o["threshold_interval"])
         self.tau = _positive_int("region_interval", o["region_interval"])
         kind = o["selector"]
+        if not isinstance(kind, str):
+            raise TypeError(f"selector must be a string, got {type_name(kind)}")
         if kind == "threshold":
             self.selector = make_selector("threshold", interval=self.tau_prime)
         elif kind == "exact":

@@ -12,7 +12,7 @@ import numpy as np
 import spardl_kernels as K
 
 from .. import _arrays as A
-from .._checks import check_int
+from .._checks import check_int, type_name
 from ..comm import signature_field, wire_index_dtype
 from ..cost_model import density_floor
 from ..schedules import bruck_schedule, srs_schedule
@@ -88,7 +88,7 @@ class SparDL(Allreducer):
 
     Parameters
     ----------
-    comm, n, density, op, residual, nonfinite, check
+    comm, n, density, op, residual, nonfinite, check, wire
         As :class:`spardl.algorithms.base.Allreducer`.
     teams : int, default 1
         d, the number of teams; must divide P. 1 is bandwidth-optimal (≈ 4k(P−1)/P words,
@@ -137,6 +137,8 @@ class SparDL(Allreducer):
         if tau < 1:
             raise ValueError(f"threshold_interval must be >= 1, got {tau}")
         kind = self.opts["selector"]
+        if not isinstance(kind, str):
+            raise TypeError(f"selector must be a string, got {type_name(kind)}")
         if kind == "exact" and "threshold_interval" in self.given_options:
             raise ValueError(
                 "threshold_interval applies to selector='threshold' only; "

@@ -21,8 +21,14 @@ class TopkA(Allreducer):
 
     Parameters
     ----------
-    comm, n, density, op, residual, nonfinite, check
+    comm, n, density, op, residual, nonfinite, check, wire
         See :class:`spardl.algorithms.base.Allreducer`. k = max(1, ⌊ρ·n⌋), the same on every rank.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, naming the argument, if any rank's arguments are invalid or the ranks
+        disagree (:class:`spardl.algorithms.base.Allreducer`).
 
     Notes
     -----

@@ -51,8 +51,14 @@ class TopkDSA(Allreducer):
 
     Parameters
     ----------
-    comm, n, density, op, residual, nonfinite, check
+    comm, n, density, op, residual, nonfinite, check, wire
         See :class:`spardl.algorithms.base.Allreducer`.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, naming the argument, if any rank's arguments are invalid or the ranks
+        disagree (:class:`spardl.algorithms.base.Allreducer`).
 
     Notes
     -----

@@ -89,3 +89,5 @@ def test_failed_construction_frees_its_duplicate(comm):
             spardl.make("topka", comm, 16, density=2.0)
         with pytest.raises(ValueError, match="algorithm must be one of"):
             spardl.make("nope", comm, 16)
+        with pytest.raises(TypeError, match="algorithm must be a string, got int"):
+            spardl.make(5, comm, 16)

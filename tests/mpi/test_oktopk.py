@@ -196,6 +196,7 @@ def test_resume_with_reused_state_is_bit_identical(comm):
         ({"region_interval": -1}, "region_interval"),
         ({"region_interval": True}, "region_interval"),
         ({"selector": "sampling"}, "selector"),
+        ({"selector": None}, "selector must be a string"),
     ],
 )
 def test_bad_options_raise_everywhere(comm, kwargs, match):

@@ -287,6 +287,7 @@ def test_c7_mismatched_n_raises_everywhere(comm):
         ({"teams": "P+1"}, ValueError, "teams"),
         ({"teams": 1.0}, TypeError, "teams"),
         ({"selector": "sampling"}, ValueError, "selector"),
+        ({"selector": 5}, TypeError, "selector must be a string"),
         ({"threshold_interval": 0}, ValueError, "threshold_interval"),
         ({"threshold_interval": 8}, ValueError, "threshold_interval applies to"),
         ({"selector": "exact", "threshold_interval": 8}, ValueError, "selector='threshold' only"),
