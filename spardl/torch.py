@@ -2276,6 +2276,18 @@ def to_torch_state(obj):
     What ``torch.load`` accepts with ``weights_only=True`` (its default): a checkpoint holding an
     allreducer's state (residuals, thresholds, counters) loads without unpickling NumPy objects.
     :func:`from_torch_state` is the inverse.
+
+    Parameters
+    ----------
+    obj : dict, list, tuple, ndarray, NumPy scalar or any other object
+        Typically :meth:`spardl.algorithms.base.Allreducer.state_dict` output.
+
+    Returns
+    -------
+    object
+        The same structure (dicts, lists and tuples rebuilt), each ndarray replaced by a CPU
+        tensor of its shape and dtype (a copy), each NumPy scalar by the Python number; other
+        objects as they are.
     """
     if isinstance(obj, np.ndarray):
         return torch.from_numpy(np.array(obj, copy=True))
@@ -2289,7 +2301,19 @@ def to_torch_state(obj):
 
 
 def from_torch_state(obj):
-    """Inverse of :func:`to_torch_state`: torch tensors back to NumPy arrays."""
+    """Inverse of :func:`to_torch_state`: torch tensors back to NumPy arrays.
+
+    Parameters
+    ----------
+    obj : dict, list, tuple, torch.Tensor or any other object
+        What :func:`to_torch_state` returned (after a ``torch.save``/``torch.load``, say).
+
+    Returns
+    -------
+    object
+        The same structure, each tensor replaced by a NumPy copy of it (moved to the host);
+        other objects as they are.
+    """
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu().numpy().copy()
     if isinstance(obj, dict):

@@ -700,7 +700,20 @@ class Allreducer:
         """Everything needed to resume: residual, counters and the algorithm's own state.
 
         The residual is always a host NumPy copy (portable, picklable); after loading, the first
-        call moves it to the device if the gradients live there."""
+        call moves it to the device if the gradients live there.
+
+        Returns
+        -------
+        dict
+            ``algorithm`` (str), ``n``, ``world_size`` (P), ``rank``, ``step`` and ``calls``
+            (int), ``density`` (ρ, float), ``dtype`` (str, or None before the first call),
+            ``residual`` (ndarray of shape (n,) in the work dtype, zeros with
+            ``residual="none"``; None before the first call) and ``extra`` (dict: the
+            algorithm's own state,
+            e.g. thresholds, budgets, region boundaries). Not a view: later calls leave it
+            unchanged. :meth:`load_state_dict` takes it back, at this world size;
+            :mod:`spardl.elastic` folds a set of them into another.
+        """
         return {
             "algorithm": self.name,
             "n": self.n,
