@@ -1078,7 +1078,13 @@ def _check_wire(wire) -> str:
     if not isinstance(wire, str):
         raise TypeError(f"wire must be a str, one of {WIRES}, got {type(wire).__name__}")
     if wire not in WIRES:
-        raise ValueError(f"wire must be one of {WIRES}, got {wire!r}")
+        hint = ""
+        if wire.lower() in ("fp16", "float16", "half", "bf16", "bfloat16"):
+            hint = (
+                " (wire is the sparse message format; the 16-bit dense allreduce is "
+                "make('dense', comm, n, wire_dtype='float16'), `spardl train --wire fp16`)"
+            )
+        raise ValueError(f"wire must be one of {WIRES}, got {wire!r}{hint}")
     return wire
 
 

@@ -158,6 +158,14 @@ def test_bad_wire_raises_everywhere(comm, algorithm, wire, exc):
     comm.Barrier()
 
 
+def test_a_16_bit_wire_names_the_16_bit_dense_allreduce(comm):
+    """``wire`` is the sparse message format: "fp16" there is refused with the pointer to the
+    dense allreducer's ``wire_dtype``, the option a user asking for it means."""
+    with pytest.raises(ValueError, match="wire_dtype='float16'"):
+        spardl.make("spardl", comm, 50, density=0.1, wire="fp16")
+    comm.Barrier()
+
+
 @pytest.mark.parametrize("algorithm", sorted(spardl.ALGORITHMS))
 def test_ranks_that_disagree_on_wire_raise(comm, algorithm):
     if comm.size == 1:
