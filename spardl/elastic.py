@@ -15,7 +15,7 @@ world size that wrote it. This module gathers every rank's state into one object
 Each works on a :class:`spardl.Allreducer`, a :class:`spardl.torch.SparseGradientReducer` or a
 :class:`spardl.torch.SparseHookState`.
 
-What a load at P' does (docs/design.md §11, docs/reliability.md §4):
+What a load at P' does (docs/design.md §11, docs/reliability.md §4.1):
 
 * P' = P: rank r loads rank r's state as it was saved, with ``load_state_dict``: the next steps
   continue bit for bit.

@@ -1259,7 +1259,7 @@ def _load_checkpoint(ck: dict, model, opt, target, job) -> None:
         if job.rank == 0:
             print(
                 f"spardl train: resumed at P={job.size} from a checkpoint of P={P_saved}: "
-                "residuals folded, thresholds re-estimated (docs/reliability.md §4)",
+                "residuals folded, thresholds re-estimated (docs/reliability.md §4.1)",
                 flush=True,
             )
     else:

@@ -59,7 +59,7 @@ CPU_THREADS = None
 # Below these sizes the serial workers run (waking the thread pool costs more than it saves):
 # n for select_above/count_above, len(ia) + len(ib) for merge_add.
 SELECT_PARALLEL_MIN_N = 1 << 18
-# The threaded merge_add is off by default (2**62): on the shared 2-core test machine its merge
+# The threaded merge_add is off by default (2**62): on a 2-core machine its merge
 # loop took 0.5 ms for 2 x 250,000 pairs against 1.0 ms on one thread, but waking the pool and
 # moving the parts over the gaps made whole calls slower than the serial path (docs/performance.md,
 # "Kernels"). Set e.g. 1 << 16 on a machine with idle cores.

@@ -222,7 +222,7 @@ def test_hook_resume_into_fresh_ddp_is_bit_for_bit(checks, algorithm):
     """3 steps, checkpoint (model, optimizer, hook state through torch.save/load), a fresh DDP
     and hook, 3 more steps == 6 steps in one go: by name, by position, and with another
     bucket_cap_mb on resume; and the hook equals the plain-loop reducer."""
-    r = checks["issue"][algorithm]["resume"]
+    r = checks["edge_cases"][algorithm]["resume"]
     assert r["n"] == 676 and r["created"] == 1
     for label in ("named", "positional", "other_cap"):
         assert r[label]["bit_equal"], (label, r[label]["max_diff"])
@@ -241,7 +241,7 @@ def test_unused_parameters_keep_their_residual(checks, algorithm, kind):
     .grad stays None; a head used by one rank is reduced; nothing is lost over every parameter."""
     import spardl
 
-    r = checks["issue"][algorithm][f"unused_{kind}"]
+    r = checks["edge_cases"][algorithm][f"unused_{kind}"]
     assert r["head2_residual_nonzero"]  # there was mass to lose
     assert r["head2_residual_kept"]
     assert r["unused_grad_none"]
@@ -255,7 +255,7 @@ def test_unused_parameters_keep_their_residual(checks, algorithm, kind):
 def test_sparse_gradient_is_a_type_error_on_every_rank(checks, algorithm):
     """nn.Embedding(sparse=True) used by rank 1 only: a TypeError naming the parameter on both
     ranks, for the reducer and the hook (the job finishing at all shows there is no hang)."""
-    r = checks["issue"][algorithm]["sparse"]
+    r = checks["edge_cases"][algorithm]["sparse"]
     for kind in ("reducer", "hook"):
         assert len(r[kind]) == 2
         for kind_name, msg in r[kind]:
@@ -280,7 +280,7 @@ def test_ddp_trains_on_after_a_nonfinite_error(checks, mode):
 @pytest.mark.mpi
 @pytest.mark.parametrize("algorithm", SPARSE_ALGORITHMS)
 def test_reducer_leaves_unused_and_frozen_parameters_alone(checks, algorithm):
-    r = checks["issue"][algorithm]["frozen"]
+    r = checks["edge_cases"][algorithm]["frozen"]
     assert r["head2_weight_grad_none"] and r["frozen_grad_none"]
     assert r["head2_unmoved"] and r["frozen_unmoved"]  # SGD(weight_decay) did not move them
     assert r["head1_moved"]
@@ -289,7 +289,7 @@ def test_reducer_leaves_unused_and_frozen_parameters_alone(checks, algorithm):
 @pytest.mark.mpi
 @pytest.mark.parametrize("algorithm", SPARSE_ALGORITHMS)
 def test_hook_reduces_bfloat16_and_float16_in_float32(checks, algorithm):
-    for dtype, r in checks["issue"][algorithm]["low_precision"].items():
+    for dtype, r in checks["edge_cases"][algorithm]["low_precision"].items():
         assert r["dtype"] == dtype
         assert r["equal_to_reducer"], dtype
         assert r["residual_dtype"] == "float32"
@@ -299,7 +299,7 @@ def test_hook_reduces_bfloat16_and_float16_in_float32(checks, algorithm):
 @pytest.mark.mpi
 def test_hook_rejects_a_communicator_that_is_not_the_process_group(checks):
     """As under torchrun (each process's COMM_WORLD has size 1): an error on every rank."""
-    outcomes = checks["issue"]["launch_mismatch"]
+    outcomes = checks["edge_cases"]["launch_mismatch"]
     assert len(outcomes) == 2
     for rank, (kind, msg) in enumerate(outcomes):
         assert kind == "ValueError"
@@ -315,7 +315,7 @@ def test_hook_rejects_a_communicator_that_is_not_the_process_group(checks):
 def test_bad_options_fail_at_construction_on_every_rank(checks, algorithm):
     import spardl
 
-    r = checks["issue"][algorithm]["options"]
+    r = checks["edge_cases"][algorithm]["options"]
     own = sorted(spardl.ALGORITHMS[algorithm].options)
     for kind in ("hook", "reducer"):
         for kind_name, msg in r["misspelt"][kind]:

@@ -131,7 +131,7 @@ def test_resume_equals_uninterrupted_bit_for_bit(one_epoch, runs):
 
 
 def test_resume_at_another_world_size(one_epoch, runs):
-    """--resume under another -n (docs/reliability.md §4): the checkpoint of 2 ranks resumes at
+    """--resume under another -n (docs/reliability.md §4.1): the checkpoint of 2 ranks resumes at
     3, rank 2 starting from rank 0's model and optimizer with no residual of its own, the
     allreducer's step and the history carried over, and the run finishes its schedule."""
     proc = run_mpi(

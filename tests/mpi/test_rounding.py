@@ -39,7 +39,7 @@ def _mass(comm, v):
 
 @pytest.mark.parametrize("algorithm", CONSERVING)
 def test_underflowing_mean_is_kept_in_the_residuals(comm, algorithm):
-    """The issue's case: rank 0 holds 1.19e-7 on 16 of 64 entries, the others zeros. The mean
+    """An underflowing mean: rank 0 holds 1.19e-7 on 16 of 64 entries, the others zeros. The mean
     (1.19e-7/P) rounds to 0 (or up, at P = 3) in float16; over steps, the mass the ranks put in
     is exactly what came out plus what the residuals hold."""
     n, P = 64, comm.size

@@ -1,4 +1,4 @@
-"""Elastic resume (docs/reliability.md §4): a Hypothesis state machine that mixes valid steps,
+"""Elastic resume (docs/reliability.md §4.1): a Hypothesis state machine that mixes valid steps,
 rejected steps (a NaN gradient: NonFiniteError), checkpoints (gathered in memory or one file)
 and resumes at another world size P → P' inside one mpiexec world (sub-communicators of the
 first P ranks), and checks the mass accounting over the whole history.

@@ -1,4 +1,4 @@
-"""Elastic resume of the torch classes (docs/reliability.md §4): a SparseGradientReducer's and a
+"""Elastic resume of the torch classes (docs/reliability.md §4.1): a SparseGradientReducer's and a
 SparseHookState's state saved at P ranks loads at P' (sub-communicators of the world): the
 residuals and the momentum-correction velocities keep their sum over ranks (bit for bit when
 P' ≥ P), the step carries over, and the next step runs on every rank of the new world."""

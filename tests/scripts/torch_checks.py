@@ -288,7 +288,7 @@ def _max_diff(a, b):
 
 
 def hook_resume(world, algorithm):
-    """Issue case 1: 3 steps, checkpoint, a fresh DDP + hook, 3 more steps vs 6 in one go; also
+    """Edge case 1: 3 steps, checkpoint, a fresh DDP + hook, 3 more steps vs 6 in one go; also
     with positional keys (no model=), with another bucket_cap_mb on resume, and hook vs reducer."""
     rank = world.Get_rank()
     batches = _mlp_batches(rank, 6)
@@ -355,7 +355,7 @@ def _use(step, rank):
 
 
 def unused_parameters(world, algorithm, kind):
-    """Issue case 2 (and 4 for the reducer): residual mass of parameters no rank used stays,
+    """Edge case 2 (and 4 for the reducer): residual mass of parameters no rank used stays,
     .grad of those stays None, conservation over every parameter."""
     rank = world.Get_rank()
     model = _Heads()
@@ -423,7 +423,7 @@ def _outcome(world, fn):
 
 
 def sparse_gradients(world, algorithm):
-    """Issue case 3: an Embedding(sparse=True) used by rank 1 only: a TypeError naming the
+    """Edge case 3: an Embedding(sparse=True) used by rank 1 only: a TypeError naming the
     parameter on every rank (reducer and hook), no hang."""
     rank = world.Get_rank()
 
@@ -452,7 +452,7 @@ def sparse_gradients(world, algorithm):
 
 
 def frozen_and_unused(world, algorithm):
-    """Issue case 4 (reducer): a parameter without a gradient on every rank and one frozen after
+    """Edge case 4 (reducer): a parameter without a gradient on every rank and one frozen after
     the reducer was built keep .grad None and do not move under SGD(weight_decay)."""
     model = _Heads()
     red = SparseGradientReducer(model.parameters(), world, algorithm, density=0.5)
@@ -475,7 +475,7 @@ def frozen_and_unused(world, algorithm):
 
 
 def low_precision(world, algorithm):
-    """Issue case 5: bfloat16 and float16 models through the hook: accumulated in float32, the
+    """Edge case 5: bfloat16 and float16 models through the hook: accumulated in float32, the
     same parameters as the reducer's (bit for bit)."""
     rank = world.Get_rank()
     out = {}
@@ -495,7 +495,7 @@ def low_precision(world, algorithm):
 
 
 def launch_mismatch(world):
-    """Issue case 6: the hook's communicator is not DDP's process group (as under torchrun, where
+    """Edge case 6: the hook's communicator is not DDP's process group (as under torchrun, where
     each process's COMM_WORLD has size 1): an error on every rank at the first call."""
     from mpi4py import MPI
 
@@ -510,7 +510,7 @@ def launch_mismatch(world):
 
 
 def option_errors(world, algorithm):
-    """Issue case 7: bad options fail at construction on every rank, also when only one rank's
+    """Edge case 7: bad options fail at construction on every rank, also when only one rank's
     options are bad, with make's messages; unknown options list every accepted one."""
     rank = world.Get_rank()
     m = _small_mlp()
@@ -575,7 +575,7 @@ def trains_on_after_an_error(world, algorithm):
     return out
 
 
-def issue_checks(world):
+def edge_case_checks(world):
     torch.manual_seed(0)
     out = {"launch_mismatch": launch_mismatch(world)}
     for algorithm in SPARSE_ALGORITHMS:
@@ -605,7 +605,7 @@ def main(out_path, algorithm, world):
         "bucket_layouts": bucket_layouts(world, algorithm),
         "reducer": reducer_writes_back(world, algorithm),
         "trains_on_after_an_error": trains_on_after_an_error(world, algorithm),
-        "issue": issue_checks(world),
+        "edge_cases": edge_case_checks(world),
     }
     oks = world.allgather(results["rank_matches_mpi"])
     results["rank_matches_mpi"] = all(oks)
