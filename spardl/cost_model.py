@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ._checks import check_density, check_int
+from ._checks import check_density, check_float, check_int, type_name
 
 __all__ = [
     "Cost",
@@ -98,8 +98,29 @@ class Cost:
     def seconds(self, alpha: float, beta: float, word_bytes: int = 4, gamma: float = 0.0) -> float:
         """rounds·α + path_words·word_bytes·(β + γ), in seconds.
 
-        α: s/message, β: s/byte sent, γ: s/byte merged (each byte that arrives is merged once).
+        Parameters
+        ----------
+        alpha, beta : float
+            α in seconds per message (per round), β in seconds per byte sent; finite, ≥ 0.
+        word_bytes : float, default 4
+            Bytes per word, finite and > 0.
+        gamma : float, default 0.0
+            γ in seconds per byte merged (each byte that arrives is merged once); finite, ≥ 0.
+
+        Returns
+        -------
+        float
+            Seconds of one step on the critical path.
+
+        Raises
+        ------
+        TypeError
+            If a rate or ``word_bytes`` is not a real number (bool included), naming it.
+        ValueError
+            If a rate is negative or not finite, or ``word_bytes`` is not finite and > 0.
         """
+        _check_rates(alpha, beta, gamma)
+        _check_word_bytes(word_bytes)
         return self.rounds * alpha + self.path_words * word_bytes * (beta + gamma)
 
 
@@ -114,21 +135,62 @@ def _cost(messages, words, rounds=None, path_words=None) -> Cost:
 
 _ZERO = Cost(0.0, 0.0, 0.0, 0.0)
 
+#: The ``kind`` of a trace record (:func:`collective_rounds`).
+_KINDS = ("p2p", "allgather", "allgatherv", "bcast", "allreduce")
 
-def _check(P, n, k):
-    for name, v in (("P", P), ("n", n), ("k", k)):
-        check_int(name, v, numpy=False)
-    if P < 1:
-        raise ValueError(f"P must be >= 1, got {P}")
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+
+def _check_count(name: str, value, lo: int) -> int:
+    """``value`` when it is a Python int (not a bool) ≥ ``lo``: TypeError or ValueError naming
+    ``name`` otherwise. The integer check of every function here."""
+    check_int(name, value, numpy=False)
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return value
+
+
+def _check(P, n, k, **options) -> None:
+    """The argument checks of every closed form: P ≥ 1, n ≥ 1 and k in [1, n], Python ints;
+    ``options``: name=(value, lo), an integer option that must be ≥ lo."""
+    _check_count("P", P, 1)
+    _check_count("n", n, 1)
+    check_int("k", k, numpy=False)
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, n={n}], got {k}")
+    for name, (value, lo) in options.items():
+        _check_count(name, value, lo)
+
+
+def _check_choice(name: str, value, choices: tuple) -> str:
+    """``value`` when it is one of the strings ``choices``: TypeError naming ``name`` for a
+    value that is no string, ValueError for another string."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type_name(value)}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
 
 
 def ceil_log2(P: int) -> int:
-    """⌈log₂P⌉ (0 for P = 1): rounds of a binomial tree, a Bruck all-gather or SRS."""
-    return (int(P) - 1).bit_length()
+    """⌈log₂P⌉ (0 for P = 1): rounds of a binomial tree, a Bruck all-gather or SRS.
+
+    Parameters
+    ----------
+    P : int
+        A number of ranks, ≥ 1 (a Python int).
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    TypeError
+        If ``P`` is not an integer (bool included).
+    ValueError
+        If ``P`` < 1.
+    """
+    _check_count("P", P, 1)
+    return (P - 1).bit_length()
 
 
 def collective_rounds(kind: str, P: int) -> int:
@@ -150,18 +212,18 @@ def collective_rounds(kind: str, P: int) -> int:
 
     Raises
     ------
+    TypeError
+        If ``kind`` is not a string or ``P`` not an integer (bool included), naming it.
     ValueError
-        If ``kind`` is unknown.
+        If ``kind`` is unknown or ``P`` < 1.
     """
+    _check_choice("kind", kind, _KINDS)
+    _check_count("P", P, 1)
     if kind == "p2p":
         return 1
     if kind in ("allgather", "allgatherv", "bcast"):
         return ceil_log2(P)
-    if kind == "allreduce":
-        return 2 * ceil_log2(P)
-    raise ValueError(
-        f"kind must be one of p2p, allgather, allgatherv, bcast, allreduce; got {kind!r}"
-    )
+    return 2 * ceil_log2(P)
 
 
 def density_floor(density: float, count: int, divisor: int = 1) -> int:
@@ -196,8 +258,27 @@ def density_floor(density: float, count: int, divisor: int = 1) -> int:
 
 def budget(density: float, n: int) -> int:
     """k = ⌊ρ·n⌋, at least 1 and at most n (the rule of :func:`spardl.algorithms.base.budget`;
-    :func:`density_floor`). ρ in (0, 1] and an integer n ≥ 1, or TypeError/ValueError naming
-    the argument."""
+    :func:`density_floor`).
+
+    Parameters
+    ----------
+    density : float
+        ρ in (0, 1].
+    n : int
+        The vector's length, ≥ 1.
+
+    Returns
+    -------
+    int
+        k in [1, n].
+
+    Raises
+    ------
+    TypeError
+        If ``density`` is not a real number or ``n`` not an integer (bool included), naming it.
+    ValueError
+        If ``density`` is not in (0, 1] or ``n`` < 1, naming it.
+    """
     rho = check_density("density", density)
     check_int("n", n)
     if n < 1:
@@ -208,6 +289,27 @@ def budget(density: float, n: int) -> int:
 # -- the algorithms ------------------------------------------------------------------------------
 def dense(P: int, n: int, k: int | None = None) -> Cost:
     """Dense allreduce of n values: one collective (1 message, 2⌈log₂P⌉ rounds), 2n(P−1)/P words.
+
+    Parameters
+    ----------
+    P : int
+        Ranks, ≥ 1.
+    n : int
+        Gradient length, ≥ 1.
+    k : int, optional
+        Ignored (a dense allreduce sends every value), but checked to be in [1, n] if given.
+
+    Returns
+    -------
+    Cost
+        Per rank and step (words, rounds; :meth:`Cost.seconds` for seconds); all zero at P = 1.
+
+    Raises
+    ------
+    TypeError
+        If P, n or a given k is not a Python int (bool included), naming it.
+    ValueError
+        If P < 1, n < 1 or a given k is not in [1, n], naming it.
 
     Notes
     -----
@@ -225,6 +327,27 @@ def topka(P: int, n: int, k: int) -> Cost:
     """TopkA: all-gather of every rank's k (index, value) pairs: 1 message (⌈log₂P⌉ rounds),
     2k(P−1) words (exact).
 
+    Parameters
+    ----------
+    P : int
+        Ranks, ≥ 1.
+    n : int
+        Gradient length, ≥ 1.
+    k : int
+        Entries each rank selects, in [1, n].
+
+    Returns
+    -------
+    Cost
+        Per rank and step (words, rounds; :meth:`Cost.seconds` for seconds); all zero at P = 1.
+
+    Raises
+    ------
+    TypeError
+        If P, n or k is not a Python int (bool included), naming it.
+    ValueError
+        If P < 1, n < 1 or k is not in [1, n], naming it.
+
     Notes
     -----
     Renggli et al., SparCML, arXiv 1802.08021, Sec. 5 (the all-gather baseline), and Li &
@@ -241,6 +364,27 @@ def gaussiank(P: int, n: int, k: int) -> Cost:
     """Gaussiank: as TopkA with a threshold-selected count ≈ k, so an allgatherv: 2 messages
     (sizes, data; 2⌈log₂P⌉ rounds) and ≈ 2k(P−1) words (expected; the count varies with the
     data).
+
+    Parameters
+    ----------
+    P : int
+        Ranks, ≥ 1.
+    n : int
+        Gradient length, ≥ 1.
+    k : int
+        Entries each rank selects, in [1, n].
+
+    Returns
+    -------
+    Cost
+        Per rank and step (words, rounds; :meth:`Cost.seconds` for seconds); all zero at P = 1.
+
+    Raises
+    ------
+    TypeError
+        If P, n or k is not a Python int (bool included), naming it.
+    ValueError
+        If P < 1, n < 1 or k is not in [1, n], naming it.
 
     Notes
     -----
@@ -264,6 +408,27 @@ def topkdsa(P: int, n: int, k: int) -> Cost:
     all-gather (each region holds at most k distinct pairs, or ⌈n/P⌉ dense values). An upper
     bound in expectation; overlapping indices send less.
 
+    Parameters
+    ----------
+    P : int
+        Ranks, ≥ 1.
+    n : int
+        Gradient length, ≥ 1.
+    k : int
+        Entries each rank selects, in [1, n].
+
+    Returns
+    -------
+    Cost
+        Per rank and step (words, rounds; :meth:`Cost.seconds` for seconds); all zero at P = 1.
+
+    Raises
+    ------
+    TypeError
+        If P, n or k is not a Python int (bool included), naming it.
+    ValueError
+        If P < 1, n < 1 or k is not in [1, n], naming it.
+
     Notes
     -----
     Renggli et al., SparCML, arXiv 1802.08021, Sec. 5 (DSAR_Split_AllGather) and its cost
@@ -286,6 +451,27 @@ def gtopk(P: int, n: int, k: int) -> Cost:
     Per rank: at most one send of k pairs in the tree plus the broadcast (2 messages,
     2k + 2k(P−1)/P words). Critical path: ⌈log₂P⌉ tree rounds of 2k words, then the broadcast
     (⌈log₂P⌉ rounds, 2k(P−1)/P words): 2⌈log₂P⌉ rounds.
+
+    Parameters
+    ----------
+    P : int
+        Ranks, ≥ 1.
+    n : int
+        Gradient length, ≥ 1.
+    k : int
+        Entries each rank selects, in [1, n].
+
+    Returns
+    -------
+    Cost
+        Per rank and step (words, rounds; :meth:`Cost.seconds` for seconds); all zero at P = 1.
+
+    Raises
+    ------
+    TypeError
+        If P, n or k is not a Python int (bool included), naming it.
+    ValueError
+        If P < 1, n < 1 or k is not in [1, n], naming it.
 
     Notes
     -----
@@ -327,19 +513,49 @@ def spardl(
     (``spardl model``) use "max" so that teams are never credited with a volume the
     adaptation may not keep.
 
+    Parameters
+    ----------
+    P : int
+        Ranks, ≥ 1.
+    n : int
+        Gradient length, ≥ 1.
+    k : int
+        Entries selected, in [1, n]; sets ρ = k/n when ``density`` is not given.
+    d : int, default 1
+        Teams, ≥ 1, dividing P.
+    density : float, optional
+        ρ in (0, 1] (the allreducer's, which k = ⌊ρn⌋ may round).
+    sag_budget : {"start", "max"}, default "start"
+        h for d > 1, as above.
+
+    Returns
+    -------
+    Cost
+        Per rank and step (words, rounds; :meth:`Cost.seconds` for seconds); all zero at P = 1.
+
+    Raises
+    ------
+    TypeError
+        If P, n, k or d is not a Python int (bool included), ``density`` not a real number or
+        ``sag_budget`` not a string, naming it.
+    ValueError
+        If P < 1, n < 1, k is not in [1, n], d < 1 or does not divide P, ``density`` is not in
+        (0, 1] or ``sag_budget`` is another string, naming it.
+
     Notes
     -----
     Zhao et al., "SparDL", arXiv 2304.00737, Sec. 4 (SRS, SAG; cost analysis of Sec. 4.2-4.3)
     and docs/design.md §4 (one packed message per round).
     """
-    _check(P, n, k)
-    if isinstance(d, bool) or not isinstance(d, int) or d < 1 or P % d:
-        raise ValueError(f"d must be a positive divisor of P={P}, got {d}")
-    if sag_budget not in ("start", "max"):
-        raise ValueError(f"sag_budget must be 'start' or 'max', got {sag_budget!r}")
+    _check(P, n, k, d=(d, 1))
+    if P % d:
+        raise ValueError(f"d must divide P={P}, got {d}")
+    if density is not None:
+        density = check_density("density", density)
+    _check_choice("sag_budget", sag_budget, ("start", "max"))
     if P == 1:
         return _ZERO
-    rho = k / n if density is None else float(density)
+    rho = k / n if density is None else density
     m = P // d
     C = -(-n // m)
     k_b = budget(rho, C)
@@ -374,12 +590,46 @@ def oktopk(
     2k(P−1)/P, all-gather 2k(P−1)/P, for about k surviving entries), plus P−1 count words,
     (P+1)·2(P−1)/P boundary words every τ steps and k(P−1) magnitude words every τ' steps.
 
+    Parameters
+    ----------
+    P : int
+        Ranks, ≥ 1.
+    n : int
+        Gradient length, ≥ 1.
+    k : int
+        Entries each rank selects, in [1, n].
+    threshold_interval : int, default 32
+        τ', steps between threshold re-evaluations, ≥ 1.
+    region_interval : int, default 64
+        τ, steps between region-boundary re-evaluations, ≥ 1.
+    step : int, optional
+        A step number, ≥ 0: the cost of that step instead of the average.
+
+    Returns
+    -------
+    Cost
+        Per rank and step (words, rounds; :meth:`Cost.seconds` for seconds); all zero at P = 1.
+
+    Raises
+    ------
+    TypeError
+        If P, n, k, an interval or ``step`` (unless None) is not a Python int (bool included),
+        naming it.
+    ValueError
+        If P < 1, n < 1, k is not in [1, n], an interval < 1 or ``step`` < 0, naming it.
+
     Notes
     -----
     Li & Hoefler, arXiv 2201.07598, Sec. 3.1, Eq. 1-3: ≤ (2P + 2 log P)α + 6k(P−1)/P·β; the
     collectives count one message each here, so the messages stay within 2P + 2.
     """
-    _check(P, n, k)
+    options = {
+        "threshold_interval": (threshold_interval, 1),
+        "region_interval": (region_interval, 1),
+    }
+    if step is not None:
+        options["step"] = (step, 0)
+    _check(P, n, k, **options)
     if P == 1:
         return _ZERO
     if step is None:
@@ -507,13 +757,13 @@ def predict(
     density : float
         ρ in (0, 1]; k = max(1, ⌊ρn⌋).
     teams : int, default 1
-        d, SparDL's number of teams (must divide P); ignored by the others.
+        d, SparDL's number of teams, ≥ 1 (must divide P for SparDL); ignored by the others.
     alpha : float, default 100 Gb/s InfiniBand
         Seconds per message (per round).
     beta : float, default 100 Gb/s InfiniBand
         Seconds per byte.
-    word_bytes : int, default 4
-        Bytes per word (4: int32 indices and float32 values) with ``wire="coo"``.
+    word_bytes : float, default 4
+        Bytes per word (4: int32 indices and float32 values) with ``wire="coo"``; finite, > 0.
     gamma : float, default 0.0
         Seconds per byte merged on arrival (see the module docstring).
     wire : {"coo", "compact"}, default "coo"
@@ -534,15 +784,24 @@ def predict(
 
     Raises
     ------
-    ValueError, TypeError
-        If the algorithm is unknown or an argument is out of range.
+    TypeError
+        If ``algorithm`` or ``wire`` is not a string, P, n or ``teams`` not a Python int, a
+        rate or ``word_bytes`` not a real number (bools are none of these), or an option is
+        unknown or of the wrong type: naming the argument.
+    ValueError
+        If ``algorithm`` or ``wire`` is unknown, P, n or ``teams`` < 1, ``teams`` does not
+        divide P for SparDL, ``density`` is not in (0, 1], a rate is negative or not finite,
+        ``word_bytes`` is not finite and > 0, or an option is out of range: naming the argument.
     """
-    f = FORMULAS.get(algorithm) if isinstance(algorithm, str) else None
-    if f is None:
-        raise ValueError(f"algorithm must be one of {sorted(FORMULAS)}, got {algorithm!r}")
-    if wire not in ("coo", "compact"):
-        raise ValueError(f"wire must be 'coo' or 'compact', got {wire!r}")
+    _check_choice("algorithm", algorithm, tuple(sorted(FORMULAS)))
+    f = FORMULAS[algorithm]
+    _check_choice("wire", wire, ("coo", "compact"))
     _check_rates(alpha, beta, gamma)
+    _check_word_bytes(word_bytes)
+    _check_count("P", P, 1)
+    _check_count("teams", teams, 1)
+    if algorithm == "spardl" and P % teams:
+        raise ValueError(f"teams must divide P={P}, got {teams}")
     k = budget(density, n)
     if algorithm == "spardl":
         c = f(P, n, k, d=teams, density=density, **options)
@@ -560,27 +819,63 @@ def predict(
     }
 
 
-def _check_rates(alpha, beta, gamma):
+def _check_rates(alpha, beta, gamma) -> None:
+    """α, β and γ: real numbers (Python ones, not bools), finite and ≥ 0."""
     for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+        check_float(name, v, numpy=False)
+        if not 0 <= v < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
-_KINDS = ("p2p", "allgather", "allgatherv", "bcast", "allreduce")
+def _check_word_bytes(word_bytes) -> None:
+    """Bytes per word: a real number (a Python one, not a bool), finite and > 0."""
+    check_float("word_bytes", word_bytes, numpy=False)
+    if not 0 < word_bytes < math.inf:
+        raise ValueError(f"word_bytes must be a finite number > 0, got {word_bytes!r}")
 
 
-def _record(rec):
-    """(step, phase, kind, peer, bytes) from a tuple, list or dict trace record."""
+_FIELDS = ("step", "phase", "kind", "peer", "bytes")
+
+
+def _record(rec, where: str):
+    """(step, phase, kind, peer, bytes) from a tuple, list or dict trace record; ``where``
+    (``traces[r]``) names its trace in the TypeError or ValueError of a malformed record."""
     if isinstance(rec, dict):
-        return (
-            int(rec["step"]),
-            str(rec["phase"]),
-            rec["kind"],
-            int(rec["peer"]),
-            int(rec["bytes"]),
+        missing = [f for f in _FIELDS if f not in rec]
+        if missing:
+            raise ValueError(f"{where}: a trace record lacks {missing}: {rec!r}")
+        step, phase, kind, peer, nbytes = (rec[f] for f in _FIELDS)
+    elif isinstance(rec, (tuple, list)) and len(rec) == len(_FIELDS):
+        step, phase, kind, peer, nbytes = rec
+    else:
+        raise ValueError(
+            f"{where}: a trace record is (step, phase, kind, peer, bytes), got {rec!r}"
         )
-    step, phase, kind, peer, nbytes = rec
-    return int(step), str(phase), kind, int(peer), int(nbytes)
+    for name, v in (("step", step), ("peer", peer), ("bytes", nbytes)):
+        check_int(f"{where}: trace record {name}", v)  # NumPy ints too: records read back
+    if not isinstance(phase, str):
+        raise TypeError(f"{where}: trace record phase must be a string, got {type_name(phase)}")
+    if kind not in _KINDS:
+        raise ValueError(f"{where}: trace record kind must be one of {_KINDS}, got {kind!r}")
+    if step < 0:
+        raise ValueError(f"{where}: trace record step must be >= 0, got {step}")
+    if nbytes < 0:
+        raise ValueError(f"{where}: trace record bytes must be >= 0, got {nbytes}")
+    return int(step), phase, kind, int(peer), int(nbytes)
+
+
+def _check_traces(traces) -> int:
+    """The number of ranks of ``traces``: a non-empty sequence of per-rank sequences."""
+    if isinstance(traces, (str, bytes, dict)) or not hasattr(traces, "__len__"):
+        raise TypeError(f"traces must be a list of per-rank traces, got {type_name(traces)}")
+    if len(traces) == 0:
+        raise ValueError("traces must hold at least one rank's trace, got none")
+    for r, trace in enumerate(traces):
+        if isinstance(trace, (str, bytes, dict)) or not hasattr(trace, "__iter__"):
+            raise TypeError(
+                f"traces[{r}] must be a sequence of trace records, got {type_name(trace)}"
+            )
+    return len(traces)
 
 
 def replay_steps(
@@ -613,8 +908,14 @@ def replay_steps(
 
     Raises
     ------
+    TypeError
+        If ``traces`` or a rank's trace is not a sequence, a record's step, peer or bytes is
+        not an integer or its phase not a string, a rate is not a real number or ``P`` (unless
+        None) not a Python int (bools are none of these), naming it.
     ValueError
-        If a record has an unknown kind or negative bytes, or a rate is negative.
+        If ``traces`` is empty, a record is malformed (not 5 fields, a missing key, an unknown
+        kind, a negative step or bytes), a rate is negative or not finite, or ``P`` < 1,
+        naming it.
 
     Notes
     -----
@@ -624,18 +925,12 @@ def replay_steps(
     form :func:`gtopk` prices that critical path.
     """
     _check_rates(alpha, beta, gamma)
-    ranks = len(traces)
-    P = ranks if P is None else int(P)
-    if P < 1:
-        raise ValueError(f"P must be >= 1, got {P}")
+    ranks = _check_traces(traces)
+    P = ranks if P is None else _check_count("P", P, 1)
     per = {}  # step -> rank -> [seconds, messages, bytes, rounds, {phase: seconds}]
     for r, trace in enumerate(traces):
         for rec in trace:
-            step, phase, kind, _peer, nbytes = _record(rec)
-            if kind not in _KINDS:
-                raise ValueError(f"trace record kind must be one of {_KINDS}, got {kind!r}")
-            if nbytes < 0:
-                raise ValueError(f"trace record bytes must be >= 0, got {nbytes}")
+            step, phase, kind, _peer, nbytes = _record(rec, f"traces[{r}]")
             rounds = collective_rounds(kind, P)
             t = rounds * alpha + nbytes * (beta + gamma)
             row = per.setdefault(step, {}).setdefault(r, [0.0, 0, 0, 0, {}])
@@ -666,7 +961,21 @@ def replay_steps(
 def replay(traces, alpha: float, beta: float, gamma: float = 0.0, P: int | None = None) -> float:
     """Mean predicted seconds per step of recorded traces (see :func:`replay_steps`).
 
-    Returns 0.0 for traces without messages (P = 1).
+    Parameters
+    ----------
+    traces, alpha, beta, gamma, P
+        As :func:`replay_steps`.
+
+    Returns
+    -------
+    float
+        Seconds per step, the mean of :func:`replay_steps`' ``seconds``; 0.0 for traces
+        without messages (P = 1).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`replay_steps`, naming the argument.
     """
     steps = replay_steps(traces, alpha, beta, gamma, P)
     return sum(s["seconds"] for s in steps) / len(steps) if steps else 0.0

@@ -7,6 +7,8 @@ import numpy as np
 
 __all__ = ["work_dtype"]
 
+_VALUE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
 
 def work_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype residuals and sums are kept in for gradients of dtype ``dtype``.
@@ -14,12 +16,31 @@ def work_dtype(dtype: np.dtype) -> np.dtype:
     Parameters
     ----------
     dtype : numpy dtype
-        The gradient's dtype (float16, float32 or float64).
+        The gradient's dtype (float16, float32 or float64, native byte order), or anything
+        :class:`numpy.dtype` reads as one (``np.float32``, ``"float32"``).
 
     Returns
     -------
     numpy dtype
         float32 for float16 (float16 sums overflow at 65504: accumulate in float32, round once
         at the end); ``dtype`` itself otherwise.
+
+    Raises
+    ------
+    TypeError
+        If ``dtype`` is not a dtype (None included: NumPy would read it as float64).
+    ValueError
+        If ``dtype`` is another dtype, or a string that names none.
     """
-    return np.dtype(np.float32) if dtype == np.float16 else dtype
+    if dtype is None:
+        raise TypeError("dtype must be a NumPy dtype (float16, float32 or float64), got None")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        err = ValueError if isinstance(dtype, str) else TypeError
+        raise err(
+            f"dtype must be a NumPy dtype (float16, float32 or float64), got {dtype!r}"
+        ) from None
+    if dt not in _VALUE_DTYPES:
+        raise ValueError(f"dtype must be float16, float32 or float64, got {dt}")
+    return np.dtype(np.float32) if dt == np.float16 else dt

@@ -240,13 +240,38 @@ def fit_gamma(pairs: int = 1 << 18, repeat: int = 5, seed: int = 0) -> float:
     The bytes are those of the wire format (int32 index + float32 value = 8 bytes per pair) of
     the vector that arrives, so γ multiplies the same byte counts as β. Local, no MPI.
 
+    Parameters
+    ----------
+    pairs : int, default 2**18
+        (index, value) pairs in each of the two vectors, ≥ 1 (drawn from 64·``pairs``
+        coordinates).
+    repeat : int, default 5
+        Timed merges, ≥ 1.
+    seed : int, default 0
+        Seed of the random vectors, ≥ 0.
+
     Returns
     -------
     float
-        The median over ``repeat`` timed merges (after one untimed, compiling call) divided by
-        8·``pairs``.
+        γ in s/byte: the median over ``repeat`` timed merges (after one untimed, compiling
+        call) divided by 8·``pairs``.
+
+    Raises
+    ------
+    TypeError
+        If ``pairs``, ``repeat`` or ``seed`` is not an integer (bool included), naming it.
+    ValueError
+        If ``pairs`` or ``repeat`` < 1 or ``seed`` < 0, naming it.
     """
     import spardl_kernels as K
+
+    from ._checks import check_int
+
+    for name, v, lo in (("pairs", pairs, 1), ("repeat", repeat, 1), ("seed", seed, 0)):
+        check_int(name, v)
+        if v < lo:
+            raise ValueError(f"{name} must be >= {lo}, got {v}")
+    pairs, repeat, seed = int(pairs), int(repeat), int(seed)
 
     rng = np.random.default_rng(seed)
     n = 64 * pairs
@@ -266,8 +291,26 @@ def fit_gamma(pairs: int = 1 << 18, repeat: int = 5, seed: int = 0) -> float:
 def run(args, world) -> int:
     """``spardl bench pingpong``: measure, fit, print on rank 0, optionally write JSON.
 
-    ``args`` has ``sizes`` (list of int or None), ``repeat``, ``json`` (path or None) and
-    ``no_gamma``.
+    Parameters
+    ----------
+    args : argparse.Namespace
+        ``sizes`` (list of int or None: :data:`DEFAULT_SIZES`), ``repeat`` (int or None),
+        ``json`` (a path or None) and ``no_gamma`` (bool: skip :func:`fit_gamma`).
+    world : mpi4py.MPI.Intracomm
+        At least 2 ranks (collective over it).
+
+    Returns
+    -------
+    int
+        The exit status, 0.
+
+    Raises
+    ------
+    spardl.cli.common.UsageError
+        If ``world`` has fewer than 2 ranks or ``--json``'s directory is not writable on
+        rank 0.
+    TypeError, ValueError
+        As :func:`pingpong`, for bad sizes or repeat.
     """
     from .cli.common import UsageError
 

@@ -14,6 +14,7 @@ and the same state make the same choice, bit for bit.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -21,7 +22,7 @@ import spardl_kernels as K
 from spardl_kernels.devices import is_device_array
 
 from . import _arrays as A
-from ._checks import check_float, check_int
+from ._checks import check_counter, check_float, check_int, malformed, type_name
 
 __all__ = ["Selector", "ExactSelector", "ThresholdSelector", "make_selector", "SELECTORS"]
 
@@ -35,6 +36,25 @@ def _check_x_k(x, k):
     if not 0 <= k <= x.shape[0]:
         raise ValueError(f"k must be in [0, len(x)={x.shape[0]}], got {k}")
     return x, int(k)
+
+
+def _check_k(k) -> int:
+    """A budget: an integer (not a bool) ≥ 0, as a Python int."""
+    check_int("k", k)
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    return int(k)
+
+
+def _check_n_k(n, k) -> tuple[int, int]:
+    """A length n ≥ 0 and a budget k in [0, n], integers (not bools), as Python ints."""
+    check_int("n", n)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    check_int("k", k)
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, n={n}], got {k}")
+    return int(n), int(k)
 
 
 def _empty(x):
@@ -84,7 +104,24 @@ class Selector:
         raise NotImplementedError
 
     def max_count(self, k: int) -> int:
-        """Upper bound of ``len(indices)`` returned for budget ``k`` (sizes receive buffers)."""
+        """Upper bound of ``len(indices)`` returned for budget ``k`` (sizes receive buffers).
+
+        Parameters
+        ----------
+        k : int
+            The budget, ≥ 0.
+
+        Returns
+        -------
+        int
+
+        Raises
+        ------
+        TypeError
+            If ``k`` is not an integer (bool included).
+        ValueError
+            If ``k`` < 0.
+        """
         raise NotImplementedError
 
     def planned(self, n: int, k: int, key=0):
@@ -92,24 +129,64 @@ class Selector:
         will select above (``select_above(x, t)``), or None when that call will not (an exact
         call, or a selector without thresholds). A caller that makes that selection itself
         while it computes x (``spardl_kernels.accumulate_above``) passes it to :meth:`select`
-        as ``above``. Changes nothing."""
+        as ``above``. Changes nothing.
+
+        Parameters
+        ----------
+        n : int
+            Length of the next x, ≥ 0.
+        k : int
+            The budget, in [0, n].
+        key : hashable, default 0
+            The stream (as :meth:`select`).
+
+        Returns
+        -------
+        float or None
+
+        Raises
+        ------
+        TypeError
+            If ``n`` or ``k`` is not an integer (bool included).
+        ValueError
+            If ``n`` < 0 or ``k`` is not in [0, n].
+        """
+        _check_n_k(n, k)
         return None
 
     def state_dict(self) -> dict:
-        """The selector's state, to checkpoint (plain Python and NumPy values)."""
+        """The selector's state, to checkpoint.
+
+        Returns
+        -------
+        dict
+            Plain Python and NumPy values; ``"kind"`` names the selector.
+        """
         return {"kind": self.kind}
 
     def load_state_dict(self, state) -> None:
         """Restore :meth:`state_dict` output.
 
+        Parameters
+        ----------
+        state : dict
+            A :meth:`state_dict` of a selector of this kind (and options).
+
         Raises
         ------
+        TypeError
+            If ``state`` is not a dict.
         ValueError
             If ``state`` was saved by another kind of selector.
         """
-        if not isinstance(state, dict) or state.get("kind") != self.kind:
-            got = state.get("kind") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"selector state is for {got!r}, this selector is {self.kind!r}")
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"selector state must be a dict (from state_dict()), got {type_name(state)}"
+            )
+        if state.get("kind") != self.kind:
+            raise ValueError(
+                f"selector state is for {state.get('kind')!r}, this selector is {self.kind!r}"
+            )
 
 
 class ExactSelector(Selector):
@@ -122,13 +199,57 @@ class ExactSelector(Selector):
     kind = "exact"
 
     def select(self, x, k, key=0, above=None):
+        """The exact top-k of ``x`` by magnitude.
+
+        Parameters
+        ----------
+        x : ndarray of shape (n,), float16, float32 or float64
+            A block or a whole vector (a NumPy or a GPU array).
+        k : int
+            The budget, 0 ≤ k ≤ n.
+        key : hashable, default 0
+            Ignored (no state).
+        above : tuple, optional
+            Ignored (every call is exact).
+
+        Returns
+        -------
+        indices : int64 ndarray of shape (k,), ascending
+        values : ndarray of shape (k,), x's dtype
+            ``x[indices]``.
+
+        Raises
+        ------
+        TypeError
+            If ``k`` is not an integer (bool included).
+        ValueError
+            If ``x`` is not 1-D or ``k`` is not in [0, n].
+        """
         x, k = _check_x_k(x, k)
         if k == 0:
             return _empty(x)
         return K.topk_abs(x, k)
 
     def max_count(self, k: int) -> int:
-        return int(k)
+        """``k`` itself (see :meth:`Selector.max_count`).
+
+        Parameters
+        ----------
+        k : int
+            The budget, ≥ 0.
+
+        Returns
+        -------
+        int
+
+        Raises
+        ------
+        TypeError
+            If ``k`` is not an integer (bool included).
+        ValueError
+            If ``k`` < 0.
+        """
+        return _check_k(k)
 
 
 class ThresholdSelector(Selector):
@@ -159,7 +280,7 @@ class ThresholdSelector(Selector):
     interval : int, default 32
         τ', calls between exact recomputations (Ok-Topk's default), ≥ 1. 1 means always exact.
     slack : float, default 0.25
-        Allowed excess of a reused threshold's count over k, ≥ 0.
+        Allowed excess of a reused threshold's count over k, finite and ≥ 0.
     nudge : float, default 0.5
         γ, exponent of the multiplicative nudge, in [0, 1] (0 disables nudging).
 
@@ -180,10 +301,12 @@ class ThresholdSelector(Selector):
         check_int("interval", interval)
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
-        for name, v, hi in (("slack", slack, math.inf), ("nudge", nudge, 1.0)):
-            check_float(name, v)
-            if not 0 <= v <= hi:
-                raise ValueError(f"{name} must be in [0, {hi}], got {v}")
+        check_float("slack", slack)
+        if not 0 <= slack < math.inf:
+            raise ValueError(f"slack must be a finite number >= 0, got {slack}")
+        check_float("nudge", nudge)
+        if not 0 <= nudge <= 1:
+            raise ValueError(f"nudge must be in [0, 1], got {nudge}")
         self.interval = int(interval)
         self.slack = float(slack)
         self.nudge = float(nudge)
@@ -191,7 +314,29 @@ class ThresholdSelector(Selector):
         self._keys: dict = {}
 
     def max_count(self, k: int) -> int:
-        return int(math.ceil(int(k) * (1.0 + self.slack)))
+        """⌈k·(1 + slack)⌉ (see :meth:`Selector.max_count`).
+
+        Parameters
+        ----------
+        k : int
+            The budget, ≥ 0.
+
+        Returns
+        -------
+        int
+
+        Raises
+        ------
+        TypeError
+            If ``k`` is not an integer (bool included).
+        ValueError
+            If ``k`` < 0.
+        """
+        k = _check_k(k)
+        bound = k * (1.0 + self.slack)
+        if bound == math.inf:  # past a float (a huge slack): the exact product, no length's
+            return math.ceil(Fraction(k) * (1 + Fraction(self.slack)))
+        return math.ceil(bound)
 
     def _exact(self, x, k, st, above=None):
         """The exact top-k of x, and t set to its k-th largest |x|. ``above``: (indices, values)
@@ -208,6 +353,31 @@ class ThresholdSelector(Selector):
         return idx, vals
 
     def planned(self, n: int, k: int, key=0):
+        """As :meth:`Selector.planned`: the reused threshold, or None on an exact call.
+
+        Parameters
+        ----------
+        n : int
+            Length of the next x, ≥ 0.
+        k : int
+            The budget, in [0, n].
+        key : hashable, default 0
+            The stream (as :meth:`select`).
+
+        Returns
+        -------
+        float or None
+            The threshold the next ``select(x, k, key)`` of an x of length ``n`` selects above,
+            or None when that call is exact.
+
+        Raises
+        ------
+        TypeError
+            If ``n`` or ``k`` is not an integer (bool included).
+        ValueError
+            If ``n`` < 0 or ``k`` is not in [0, n].
+        """
+        n, k = _check_n_k(n, k)
         st = self._keys.get(key)
         if st is None or st[2] != k or st[3] != n or k == 0:
             return None
@@ -241,6 +411,14 @@ class ThresholdSelector(Selector):
         return idx, vals
 
     def state_dict(self) -> dict:
+        """The options and, per key, the threshold and its call counter.
+
+        Returns
+        -------
+        dict
+            ``kind``, ``interval``, ``slack``, ``nudge`` and ``keys``: a list of
+            (key, [threshold, calls, k, n]).
+        """
         return {
             "kind": self.kind,
             "interval": self.interval,
@@ -250,22 +428,67 @@ class ThresholdSelector(Selector):
         }
 
     def load_state_dict(self, state) -> None:
+        """Restore :meth:`state_dict` output, all or nothing.
+
+        Parameters
+        ----------
+        state : dict
+            A :meth:`state_dict` of a ThresholdSelector with the same options (a key saved as a
+            tuple may come back as a list, as JSON writes it).
+
+        Raises
+        ------
+        TypeError
+            If ``state`` is not a dict.
+        ValueError
+            If ``state`` is of another kind of selector or other options, lacks a field, or is
+            malformed (``keys`` not a list of (key, [threshold, calls, k, n]) with a float
+            threshold, counters in [0, 2**63) and 0 ≤ k ≤ n): nothing is loaded then.
+        """
         super().load_state_dict(state)
+        missing = [f for f in ("interval", "slack", "nudge", "keys") if f not in state]
+        if missing:
+            raise ValueError(
+                f"selector state is missing key(s) {missing} (not a state_dict() output?)"
+            )
         for name in ("interval", "slack", "nudge"):
-            if state.get(name) != getattr(self, name):
+            if state[name] != getattr(self, name):
                 raise ValueError(
-                    f"selector state has {name}={state.get(name)!r}, "
+                    f"selector state has {name}={state[name]!r}, "
                     f"this selector has {getattr(self, name)!r}"
                 )
-        self._keys = {
-            (tuple(key) if isinstance(key, list) else key): [
-                float(v[0]),
-                int(v[1]),
-                int(v[2]),
-                int(v[3]),
-            ]
-            for key, v in state["keys"]
-        }
+        try:
+            entries = state["keys"]
+            if not isinstance(entries, (list, tuple)):
+                raise TypeError(f"selector state keys must be a list, got {type_name(entries)}")
+            keys = {}
+            for entry in entries:
+                if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                    raise ValueError(
+                        f"selector state keys: an entry is (key, [threshold, calls, k, n]), "
+                        f"got {entry!r}"
+                    )
+                key, v = entry
+                key = tuple(key) if isinstance(key, list) else key
+                try:
+                    hash(key)
+                except TypeError:
+                    raise TypeError(f"selector state key {key!r} is not hashable") from None
+                if not isinstance(v, (list, tuple)) or len(v) != 4:
+                    raise ValueError(
+                        f"selector state key {key!r}: [threshold, calls, k, n], got {v!r}"
+                    )
+                t = float(check_float("selector state threshold", v[0]))
+                calls, k, n = (
+                    check_counter(f"selector state {f}", x)
+                    for f, x in zip(("calls", "k", "n"), v[1:], strict=True)
+                )
+                if k > n:
+                    raise ValueError(f"selector state key {key!r}: k={k} > n={n}")
+                keys[key] = [t, calls, k, n]
+        except Exception as e:  # noqa: BLE001 - a malformed state: nothing loaded, a ValueError
+            raise malformed(e) from e
+        self._keys = keys
 
 
 SELECTORS = {"exact": ExactSelector, "threshold": ThresholdSelector}

@@ -89,7 +89,7 @@ def candidate_names(P: int, candidates=None) -> list[str]:
     Parameters
     ----------
     P : int
-        World size.
+        World size, ≥ 1.
     candidates : sequence of str, optional
         Names to choose among: a key of :data:`spardl.ALGORITHMS`, where ``"spardl"`` stands for
         SparDL with every d dividing P, or ``"spardl:d=<d>"`` for one d. Default: SparDL with
@@ -102,10 +102,17 @@ def candidate_names(P: int, candidates=None) -> list[str]:
 
     Raises
     ------
-    ValueError, TypeError
-        Naming ``candidates`` if a name is unknown, d does not divide P, or it is empty.
+    TypeError
+        Naming ``P`` if it is not an integer (bool included); naming ``candidates`` if it is
+        not a list or tuple of str.
+    ValueError
+        Naming ``P`` if it is < 1; naming ``candidates`` if a name is unknown, d does not
+        divide P, or it is empty.
     """
-    return [c.name for c in _parse_candidates(P, candidates)]
+    check_int("P", P)
+    if P < 1:
+        raise ValueError(f"P must be >= 1, got {P}")
+    return [c.name for c in _parse_candidates(int(P), candidates)]
 
 
 def _parse_candidates(P: int, candidates) -> list[Candidate]:
