@@ -70,7 +70,14 @@ _INT32_MAX = np.iinfo(np.int32).max
 
 
 def new_stats() -> dict:
-    """An empty, cumulative statistics mapping (see module docstring)."""
+    """An empty, cumulative statistics mapping (see module docstring).
+
+    Returns
+    -------
+    dict
+        ``messages``, ``bytes_sent``, ``bytes_received``, ``control_messages`` (int, all 0)
+        and ``phases`` (an empty dict, filled per phase name with the first three counters).
+    """
     return {
         "messages": 0,
         "bytes_sent": 0,
@@ -144,7 +151,18 @@ class _Accounting:
 
 
 def wire_index_dtype(max_block_length: int) -> np.dtype:
-    """Index dtype used on the wire: block-relative int32 where every block is shorter than 2^31."""
+    """Index dtype used on the wire: block-relative int32 where every block is shorter than 2^31.
+
+    Parameters
+    ----------
+    max_block_length : int
+        The length of the longest block (positions).
+
+    Returns
+    -------
+    numpy.dtype
+        int32 when ``max_block_length`` ≤ 2^31 − 1, else int64.
+    """
     return np.dtype(np.int32) if max_block_length <= _INT32_MAX else np.dtype(np.int64)
 
 
@@ -218,7 +236,19 @@ def cuda_aware() -> bool:
 
 
 def cuda_aware_reason() -> str:
-    """How :func:`cuda_aware` decided (for ``spardl info``)."""
+    """How :func:`cuda_aware` decided (for ``spardl info``).
+
+    Returns
+    -------
+    str
+        One line naming the rule that decided (the environment variable, the MPI library's
+        switch, ``MPIX_Query_cuda_support()``'s answer, or its absence).
+
+    Raises
+    ------
+    ValueError
+        If ``SPARDL_CUDA_AWARE`` is set to anything but 0 or 1.
+    """
     return _detect_cuda_aware()[1]
 
 
@@ -262,6 +292,15 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
     ndarray of uint8
         ``[counts | indices | pad to 8 bytes | values]``. A device array when any block is on
         the device (packed there; the same bytes).
+
+    Raises
+    ------
+    ValueError
+        If ``blocks`` and ``starts`` differ in length.
+
+    Notes
+    -----
+    The "coo" wire format of docs/design.md §2.1.
     """
     index_dtype = np.dtype(index_dtype)
     value_dtype = np.dtype(value_dtype)
@@ -288,7 +327,21 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
 
 
 def packed_capacity(nblocks: int, max_pairs: int, index_dtype, value_dtype) -> int:
-    """Bytes needed to receive ``nblocks`` blocks holding at most ``max_pairs`` pairs in all."""
+    """Bytes needed to receive ``nblocks`` blocks holding at most ``max_pairs`` pairs in all.
+
+    Parameters
+    ----------
+    nblocks, max_pairs : int
+        Blocks in the message, and the most (index, value) pairs they hold together.
+    index_dtype, value_dtype : numpy dtype
+        The wire dtypes of :func:`pack_blocks`.
+
+    Returns
+    -------
+    int
+        The size in bytes of a :func:`pack_blocks` message of that many pairs (counts,
+        indices, padding to 8 bytes, values).
+    """
     isz = np.dtype(index_dtype).itemsize
     return _align8((nblocks + max_pairs) * isz) + max_pairs * np.dtype(value_dtype).itemsize
 
@@ -299,10 +352,28 @@ def unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype):
     A device ``buf`` is unpacked on the device (one small copy of the counts to the host) and
     gives device arrays.
 
+    Parameters
+    ----------
+    buf : uint8 array of shape (nbytes,)
+        A message of :func:`pack_blocks` (host or device).
+    nblocks : int
+        The number of blocks it holds (both sides know it).
+    starts : sequence of int
+        The first position of each block, added to its block-relative indices.
+    index_dtype, value_dtype : numpy dtype
+        The wire dtypes the sender packed with.
+
+    Returns
+    -------
+    list of (indices, values)
+        ``nblocks`` pairs: int64 absolute indices and the values (``value_dtype``), each of
+        shape (count,); new arrays, not views of ``buf``.
+
     Raises
     ------
     ValueError
-        If the buffer is shorter than its own header says (a corrupt or mismatched message).
+        If the buffer's length is not the one its own header announces (a corrupt or
+        mismatched message).
     """
     index_dtype = np.dtype(index_dtype)
     value_dtype = np.dtype(value_dtype)
@@ -425,6 +496,18 @@ def pack_wire(blocks, starts, index_dtype, value_dtype, wire="coo", quantise=Tru
         device). For "coo" they are the given value arrays themselves (the same objects: a
         caller tests ``delivered is values`` to know that nothing was rounded); for "compact"
         new arrays, where the 16-bit values differ from the sent ones by the rounding.
+
+    Raises
+    ------
+    TypeError, ValueError
+        "compact": as :func:`spardl_kernels.cpu.wire.encode_blocks` (a dtype it does not take;
+        indices not strictly ascending or below their block's start, lengths that differ).
+        "coo": ValueError if ``blocks`` and ``starts`` differ in length.
+
+    Notes
+    -----
+    The wire formats are docs/design.md §2.1. Any ``wire`` other than "coo" is encoded as
+    "compact" (the option is checked where the allreducer is built).
     """
     if wire == "coo":
         return pack_blocks(blocks, starts, index_dtype, value_dtype), [b[1] for b in blocks]
@@ -456,10 +539,33 @@ def unpack_wire(buf, nblocks, starts, index_dtype, value_dtype, wire="coo", devi
     "coo" is :func:`unpack_blocks` (device arrays for a device ``buf``). "compact" decodes on
     the host and, with ``device``, copies each block to the device.
 
+    Parameters
+    ----------
+    buf : uint8 array
+        The received message (host or device).
+    nblocks : int
+        The number of blocks it holds.
+    starts : sequence of int
+        The first position of each block.
+    index_dtype, value_dtype : numpy dtype
+        As given to :func:`pack_wire` on the sending side.
+    wire : {"coo", "compact"}, default "coo"
+        The format (any other value is decoded as "compact").
+    device : bool, default False
+        "compact" only: return device arrays.
+
+    Returns
+    -------
+    list of (indices, values)
+        ``nblocks`` pairs of int64 absolute indices and ``value_dtype`` values.
+
     Raises
     ------
     ValueError
         If the message is corrupt or does not match its header.
+    TypeError
+        "compact": if ``value_dtype`` is not float32 or float64
+        (:func:`spardl_kernels.cpu.wire.decode_blocks`).
     """
     if wire == "coo":
         return unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype)
@@ -478,7 +584,28 @@ def unpack_wire(buf, nblocks, starts, index_dtype, value_dtype, wire="coo", devi
 
 def wire_capacity(nblocks: int, max_pairs: int, index_dtype, value_dtype, wire="coo") -> int:
     """Bytes needed to receive ``nblocks`` blocks holding at most ``max_pairs`` pairs in all,
-    in the wire format ``wire`` (:func:`packed_capacity` for "coo")."""
+    in the wire format ``wire`` (:func:`packed_capacity` for "coo").
+
+    Parameters
+    ----------
+    nblocks, max_pairs : int
+        Blocks in the message, and the most pairs they hold together.
+    index_dtype, value_dtype : numpy dtype
+        The wire dtypes ("compact" uses the index dtype's size only, as its bound per gap).
+    wire : {"coo", "compact"}, default "coo"
+        The format (any other value is taken as "compact").
+
+    Returns
+    -------
+    int
+        Exact for "coo"; for "compact" an upper bound
+        (:func:`spardl_kernels.cpu.wire.encoded_capacity`).
+
+    Raises
+    ------
+    TypeError
+        "compact": if ``value_dtype`` is not float32 or float64.
+    """
     if wire == "coo":
         return packed_capacity(nblocks, max_pairs, index_dtype, value_dtype)
     isz = np.dtype(index_dtype).itemsize
@@ -598,12 +725,29 @@ class Comm:
     # -- accounting -------------------------------------------------------------------------
     @property
     def stats(self) -> dict:
-        """Cumulative message and byte counters (see module docstring)."""
+        """Cumulative message and byte counters (see module docstring).
+
+        dict: ``messages``, ``bytes_sent``, ``bytes_received``, ``control_messages`` and
+        ``phases`` (:func:`new_stats`), the live mapping, shared with every communicator split
+        from this one; never reset by this class.
+        """
         return self._acct.stats
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Attribute every message inside the ``with`` block to phase ``name``."""
+        """Attribute every message inside the ``with`` block to phase ``name``.
+
+        Parameters
+        ----------
+        name : str
+            The phase name, the key of ``stats["phases"]`` and the trace records' ``phase``.
+
+        Yields
+        ------
+        None
+            The previous phase is restored when the block ends (also on an exception). The
+            phase is shared with the communicators split from this one.
+        """
         prev = self._acct.phase
         self._acct.phase = name
         try:
@@ -613,7 +757,10 @@ class Comm:
 
     @property
     def tracing(self) -> bool:
-        """Whether a trace is being recorded on this communicator (or one it shares state with)."""
+        """Whether a trace is being recorded on this communicator (or one it shares state with).
+
+        bool: True between :meth:`start_trace` and :meth:`stop_trace`.
+        """
         return self._acct.trace is not None
 
     def start_trace(self, timed: bool = False) -> list | None:
@@ -622,6 +769,20 @@ class Comm:
         With ``timed``, also clock every MPI call of this communicator and of those split from
         it: returns the live list ``[wall seconds, thread-CPU seconds, calls]`` spent inside MPI
         (busy-polling included), summed until :meth:`stop_trace`. Without it returns None.
+
+        A trace already running is discarded and started afresh (:func:`spardl.trace.record`
+        refuses to nest).
+
+        Parameters
+        ----------
+        timed : bool, default False
+            Also clock the MPI calls.
+
+        Returns
+        -------
+        list or None
+            The live clock ``[wall seconds (float), thread-CPU seconds (float), calls (int)]``
+            when ``timed``, else None.
 
         Raises
         ------
@@ -634,7 +795,15 @@ class Comm:
         return self._acct.clock
 
     def stop_trace(self) -> list:
-        """Stop recording (and clocking) and return the recorded messages."""
+        """Stop recording (and clocking) and return the recorded messages.
+
+        Returns
+        -------
+        list of tuple
+            ``(step, phase, kind, peer, bytes)`` per message this rank sent since
+            :meth:`start_trace`, in order (``peer`` −1 for a collective); an empty list when
+            no trace was running.
+        """
         trace, self._acct.trace = self._acct.trace or [], None
         self._acct.clock = None
         return trace
@@ -671,18 +840,41 @@ class Comm:
                 acct.clock = None
 
     def next_step(self) -> None:
-        """Advance the step counter used in traces."""
+        """Advance the step counter used in traces.
+
+        The counter is shared with the communicators split from this one; it starts at 0.
+        """
         self._acct.step += 1
 
     def split(self, color: int, key: int) -> Comm:
-        """Split into sub-communicators that share this one's accounting."""
+        """Split into sub-communicators that share this one's accounting.
+
+        Collective (``MPI_Comm_split``). The new :class:`Comm` shares ``stats``, the phase,
+        the trace, the step counter and the clock with this one, owns its MPI communicator
+        (:meth:`free` frees it) and starts with ``quantise`` True.
+
+        Parameters
+        ----------
+        color : int
+            Ranks with the same color end in the same sub-communicator.
+        key : int
+            Orders the ranks within it.
+
+        Returns
+        -------
+        Comm
+        """
         sub = self._mpi.Split(color, key)
         c = Comm(sub, dup=False, _acct=self._acct)
         c._owns = True
         return c
 
     def free(self) -> None:
-        """Free the duplicated communicator (idempotent)."""
+        """Free the duplicated communicator (idempotent).
+
+        Frees the MPI communicator only when this :class:`Comm` made it (a duplicate, or a
+        :meth:`split`); one given with ``dup=False`` is left alone.
+        """
         if self._owns and self._mpi != MPI.COMM_NULL:
             self._mpi.Free()
             self._owns = False
@@ -696,6 +888,28 @@ class Comm:
         The received size is read from the MPI status, so variable-size messages need no count
         message. Returns the received bytes (a view of a fresh buffer; a device array when
         ``sendbuf`` is one).
+
+        Parameters
+        ----------
+        sendbuf : uint8 array
+            The bytes to send (contiguous; host or device); ``sendbuf.nbytes`` are counted
+            as sent.
+        dest, source : int
+            The ranks sent to and received from.
+        capacity : int
+            The most bytes the incoming message may hold.
+        tag : int, default 0
+            The tag of both messages.
+
+        Returns
+        -------
+        uint8 array of shape (received bytes,)
+
+        Raises
+        ------
+        mpi4py.MPI.Exception
+            If the incoming message is longer than ``capacity`` (``MPI_ERR_TRUNCATE``, under
+            mpi4py's default error handler ``ERRORS_RETURN``).
         """
         device = A.is_device(sendbuf)
         sendbuf = A.view(sendbuf)
@@ -717,7 +931,17 @@ class Comm:
         return self._wire_result(recv[:nrecv], device)
 
     def send_bytes(self, buf: np.ndarray, dest: int, tag: int = 0) -> None:
-        """One-way send of a byte buffer to ``dest`` (tree algorithms: a child to its parent)."""
+        """One-way send of a byte buffer to ``dest`` (tree algorithms: a child to its parent).
+
+        Parameters
+        ----------
+        buf : array
+            A device array (its bytes), or anything NumPy converts to a uint8 array (host).
+        dest : int
+            The receiving rank.
+        tag : int, default 0
+            The message tag.
+        """
         buf = A.view(buf) if A.is_device(buf) else np.ascontiguousarray(buf, dtype=np.uint8)
         self._clocked.Send([_mpi_buffer(self._send_wire(buf)), MPI.BYTE], dest, tag)
         self._acct.sent(buf.nbytes, dest, "p2p")
@@ -726,7 +950,28 @@ class Comm:
         self, source: int, capacity: int, tag: int = 0, *, device: bool = False
     ) -> np.ndarray:
         """Receive at most ``capacity`` bytes from ``source``; the size is read from the status.
-        With ``device``, the bytes are returned as a device array."""
+        With ``device``, the bytes are returned as a device array.
+
+        Parameters
+        ----------
+        source : int
+            The sending rank.
+        capacity : int
+            The most bytes the message may hold.
+        tag : int, default 0
+            The message tag.
+        device : bool, default False
+            Return a device array.
+
+        Returns
+        -------
+        uint8 array of shape (received bytes,)
+
+        Raises
+        ------
+        mpi4py.MPI.Exception
+            If the message is longer than ``capacity`` (``MPI_ERR_TRUNCATE``).
+        """
         recv = self._recv_wire(max(int(capacity), 1), np.uint8, device)
         status = MPI.Status()
         self._clocked.Recv([_mpi_buffer(recv), MPI.BYTE], source, tag, status=status)
@@ -774,6 +1019,14 @@ class Comm:
         list of (int64 indices, values)
             One pair per received block, in block order (device arrays when the sent blocks
             are on the device).
+
+        Raises
+        ------
+        ValueError
+            If the received message does not match its header (:func:`unpack_wire`), or
+            ``send_blocks`` and ``send_starts`` differ in length.
+        mpi4py.MPI.Exception
+            If the incoming message is longer than the capacity ``max_pairs`` gives.
         """
         if wire == "coo":
             buf = pack_blocks(send_blocks, send_starts, index_dtype, value_dtype)
@@ -804,6 +1057,25 @@ class Comm:
         For a host ``x``, ``out`` (a contiguous host array like ``x``) receives the result
         instead, and is returned; ``out is x`` reduces in place (``MPI_IN_PLACE``: no copy of
         ``x`` and no new buffer). Ignored for a device ``x``.
+
+        Parameters
+        ----------
+        x : 1-D array
+            This rank's contribution (host or device; same shape and dtype on every rank).
+        op : {"sum", "max", "min"}, default "sum"
+            The reduction.
+        out : ndarray, optional
+            Host only: where the result goes (``x`` itself for in place).
+
+        Returns
+        -------
+        array
+            The elementwise reduction over the ranks, shape and dtype of ``x``.
+
+        Raises
+        ------
+        KeyError
+            If ``op`` is not one of the three.
         """
         device = A.is_device(x)
         if device:
@@ -827,7 +1099,18 @@ class Comm:
 
     def allgather_array(self, x: np.ndarray) -> np.ndarray:
         """All-gather equal-size arrays: returns shape (P,) + x.shape (a device array for a 1-D
-        device ``x``)."""
+        device ``x``).
+
+        Parameters
+        ----------
+        x : array
+            This rank's array (the same shape and dtype on every rank).
+
+        Returns
+        -------
+        array of shape (P,) + x.shape
+            Row r is rank r's ``x``.
+        """
         device = A.is_device(x)
         x = A.view(x) if device else np.ascontiguousarray(x)
         send = self._send_wire(x)
@@ -847,7 +1130,25 @@ class Comm:
         buffer is zero-padded to the largest and one fixed-size ``Allgather`` moves them, counted
         as (P−1)·largest bytes sent and received: MPICH's ``Allgatherv`` of uneven sizes took
         15–35× the time of the ``Allgather`` of the padded buffers over shared memory here
-        (4 ranks, 0.8–2 MB each)."""
+        (4 ranks, 0.8–2 MB each).
+
+        Parameters
+        ----------
+        buf : uint8 array
+            This rank's bytes (host or device; any size, 0 included).
+        pad : bool, default False
+            Host ``buf`` only: pad to the largest and use one ``Allgather`` (ignored for a device
+            ``buf``).
+
+        Returns
+        -------
+        list of P uint8 arrays
+            Rank r's bytes at index r (views of one receive buffer).
+
+        Notes
+        -----
+        docs/design.md §2.1 ("Messages") on the padded all-gather.
+        """
         sizes = self.allgather_array(np.array([buf.nbytes], dtype=np.int64))[:, 0]
         if pad and not A.is_device(buf):
             m = max(int(sizes.max()), 1)
@@ -876,7 +1177,30 @@ class Comm:
         return [recv[displs[r] : displs[r] + sizes[r]] for r in range(self.size)]
 
     def allgatherv_sparse(self, indices, values, index_dtype=np.int64):
-        """All-gather one sparse vector per rank; returns a list of (int64 indices, values)."""
+        """All-gather one sparse vector per rank; returns a list of (int64 indices, values).
+
+        One :func:`pack_blocks` block per rank (start 0), moved by :meth:`allgatherv_bytes`
+        (2 messages).
+
+        Parameters
+        ----------
+        indices : int64 array of shape (k,)
+            This rank's indices, ascending (each must fit ``index_dtype``).
+        values : array of shape (k,)
+            Their values; the same dtype on every rank.
+        index_dtype : numpy dtype, default int64
+            The wire dtype of counts and indices.
+
+        Returns
+        -------
+        list of P (indices, values)
+            Rank r's int64 indices and values at index r (device arrays for device inputs).
+
+        Raises
+        ------
+        ValueError
+            If a received message does not match its header (:func:`unpack_blocks`).
+        """
         buf = pack_blocks([(indices, values)], [0], index_dtype, values.dtype)
         return [
             unpack_blocks(b, 1, [0], index_dtype, values.dtype)[0]
@@ -885,7 +1209,23 @@ class Comm:
 
     def bcast(self, x: np.ndarray, root: int) -> np.ndarray:
         """Broadcast a contiguous array from ``root``; every rank passes a buffer of that shape
-        (a 1-D device array is received in place on the device)."""
+        (a 1-D device array is received in place on the device).
+
+        Parameters
+        ----------
+        x : array
+            On ``root``, the data; elsewhere the buffer to receive into (same shape and
+            dtype).
+        root : int
+            The sending rank.
+
+        Returns
+        -------
+        array
+            The buffer holding root's data: a contiguous host ``x`` itself (a host ``x`` that
+            is not contiguous is received into a contiguous copy, which is returned), or for a
+            device ``x`` its zero-copy Numba view.
+        """
         device = A.is_device(x)
         x = A.view(x) if device else np.ascontiguousarray(x)
         buf = self._inplace_wire(x, read=self.rank == root)
@@ -902,7 +1242,20 @@ class Comm:
         return x
 
     def bcast_bytes(self, buf: np.ndarray | None, root: int) -> np.ndarray:
-        """Broadcast a variable-size byte buffer from ``root`` (size first): 2 messages."""
+        """Broadcast a variable-size byte buffer from ``root`` (size first): 2 messages.
+
+        Parameters
+        ----------
+        buf : uint8 array or None
+            The bytes on ``root`` (required there); ignored elsewhere (None is fine).
+        root : int
+            The sending rank.
+
+        Returns
+        -------
+        uint8 array
+            Root's bytes: on ``root`` its ``buf``, elsewhere a new host array of that size.
+        """
         size = np.array([0 if buf is None else buf.nbytes], dtype=np.int64)
         self.bcast(size, root)
         if self.rank != root:
@@ -932,7 +1285,23 @@ class Comm:
     def agree_fields(self, ok: bool, sig: list[int]) -> tuple[bool, bool]:
         """:meth:`agree` of a signature already made of :func:`signature_field` values (Python
         ints in (-(2**63), 2**63)), as :func:`spardl.algorithms.base.collective_check` makes
-        it: no second conversion on every step."""
+        it: no second conversion on every step.
+
+        One MAX allreduce of 1 + 2·len(sig) int64 (the flag, the fields and their negations),
+        counted as one control message.
+
+        Parameters
+        ----------
+        ok : bool
+            This rank's local validation result.
+        sig : list of int
+            The fields; the same length on every rank.
+
+        Returns
+        -------
+        (all_ok, same) : (bool, bool)
+            Whether every rank passed, and whether every rank gave the same fields.
+        """
         # max(v) == -max(-v) iff every rank holds the same v: one MAX allreduce answers both
         # (-2**63, whose negation wraps, never occurs: signature_field's range). A handful of
         # integers: built and compared as Python lists (this runs on every step).
@@ -945,7 +1314,13 @@ class Comm:
         return got[0] == 0, got[1 : 1 + m] == [-f for f in got[1 + m :]]
 
     def abort(self, code: int = 1) -> None:
-        """Abort every process of the communicator (used when a rank fails mid-collective)."""
+        """Abort every process of the communicator (used when a rank fails mid-collective).
+
+        Parameters
+        ----------
+        code : int, default 1
+            The error code passed to ``MPI_Abort``.
+        """
         self._mpi.Abort(code)
 
     # -- Python objects -----------------------------------------------------------------------
@@ -1087,7 +1462,19 @@ _DIGEST_BASE = -(2**62)
 def signature_digest(data) -> int:
     """A 62-bit digest of ``data`` (bytes, or a string) as a signature field: an integer in
     [-(2**63) + 2, -(2**62)], a range that the fields the library sends (sizes, counters,
-    hashed names, small differences) never reach, so a digest cannot pass for one of them."""
+    hashed names, small differences) never reach, so a digest cannot pass for one of them.
+
+    Parameters
+    ----------
+    data : bytes or str
+        What to digest (a string as its UTF-8 bytes).
+
+    Returns
+    -------
+    int
+        ``-(2**62) - h % (2**62 - 1)`` for ``h`` the 64-bit BLAKE2b digest of ``data``
+        (little-endian).
+    """
     if isinstance(data, str):
         data = data.encode()
     h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
@@ -1099,7 +1486,18 @@ def signature_field(v) -> int:
     NumPy, not a bool) in (-(2**63), 2**63) as itself, so a field maps to itself; anything else
     (an integer past int64, a bool, a float, a string) as :func:`signature_digest` of its type
     and ``repr``. Equal values give equal fields; different values give different fields (but
-    for digest collisions, one in 2**62)."""
+    for digest collisions, one in 2**62).
+
+    Parameters
+    ----------
+    v : object
+        Any value.
+
+    Returns
+    -------
+    int
+        A Python int in (-(2**63), 2**63).
+    """
     if type(v) is int:  # the common case first: a Python int, not a bool (a subclass)
         if -(2**63) < v < 2**63:
             return v
@@ -1112,7 +1510,18 @@ def signature_field(v) -> int:
 def name_hash(name: str) -> int:
     """A stable 62-bit hash of a string, in [0, 2**62), for signatures compared across ranks
     (names, option lists: a CRC's 31 bits let two different option lists agree once in about
-    two billion; these, once in 4.6·10¹⁸)."""
+    two billion; these, once in 4.6·10¹⁸).
+
+    Parameters
+    ----------
+    name : str
+        The string (hashed as its UTF-8 bytes).
+
+    Returns
+    -------
+    int
+        The top 62 bits of its 64-bit BLAKE2b digest (little-endian); cached per string.
+    """
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 2
 
 

@@ -100,18 +100,56 @@ def _split(seed: int, val_fraction: float) -> tuple[str, str, tuple, tuple]:
 
 
 def build_vocab(text: str) -> list[str]:
-    """The characters of ``text``, sorted, after :data:`UNKNOWN` at index 0."""
+    """The characters of ``text``, sorted, after :data:`UNKNOWN` at index 0.
+
+    Parameters
+    ----------
+    text : str
+        The training text.
+
+    Returns
+    -------
+    list of str
+        One-character strings: :data:`UNKNOWN`, then every distinct character of ``text``
+        other than it, in code-point order; V = ``len`` of it.
+    """
     return [UNKNOWN, *sorted(set(text) - {UNKNOWN})]
 
 
 def encode(text: str, vocab: list[str]) -> np.ndarray:
-    """Indices of the characters of ``text`` in ``vocab`` (int64); unseen characters map to 0."""
+    """Indices of the characters of ``text`` in ``vocab`` (int64); unseen characters map to 0.
+
+    Parameters
+    ----------
+    text : str
+        The text, m characters.
+    vocab : list of str
+        The vocabulary (:func:`build_vocab`).
+
+    Returns
+    -------
+    ndarray of int64, shape (m,)
+        Each character's index in ``vocab``; 0 (:data:`UNKNOWN`) for one not in it.
+    """
     index = {c: i for i, c in enumerate(vocab)}
     return np.fromiter((index.get(c, 0) for c in text), dtype=np.int64, count=len(text))
 
 
 def shard_of(ids: np.ndarray, rank: int, P: int) -> np.ndarray:
-    """Rank ``rank``'s contiguous 1/P share of the encoded training text."""
+    """Rank ``rank``'s contiguous 1/P share of the encoded training text.
+
+    Parameters
+    ----------
+    ids : ndarray of shape (m,)
+        The encoded training text (:func:`encode`).
+    rank, P : int
+        This rank and the number of ranks.
+
+    Returns
+    -------
+    ndarray
+        The view ``ids[rank·m // P : (rank + 1)·m // P]`` (the shares tile ``ids``).
+    """
     n = len(ids)
     return ids[rank * n // P : (rank + 1) * n // P]
 
@@ -135,6 +173,12 @@ def train_batch(shard: np.ndarray, batch_size: int, context: int, seed: int, ran
     -------
     x, y : torch.Tensor
         (B, T) int64; ``y`` is ``x`` shifted by one character.
+
+    Raises
+    ------
+    ValueError
+        If the shard is not longer than ``context`` (no window start to draw;
+        :meth:`numpy.random.Generator.integers`).
     """
     import torch
 
@@ -146,7 +190,23 @@ def train_batch(shard: np.ndarray, batch_size: int, context: int, seed: int, ran
 
 def validation_windows(ids: np.ndarray, context: int, n: int):
     """``n`` fixed, non-overlapping validation windows spread evenly over ``ids`` (fewer if the
-    text is short): inputs and targets as (n, T) int64 tensors."""
+    text is short): inputs and targets as (n, T) int64 tensors.
+
+    Parameters
+    ----------
+    ids : ndarray of int64, shape (m,)
+        The encoded validation text (:func:`encode`).
+    context : int
+        T, the window length in characters.
+    n : int
+        The number of windows wanted.
+
+    Returns
+    -------
+    x, y : torch.Tensor
+        (n', T) int64 with n' = min(n, (m − 1) // T); window i starts at
+        ``(i·((m − 1) // T) // n') · T``, and ``y`` is ``x`` shifted by one character.
+    """
     import torch
 
     fits = (len(ids) - 1) // context
@@ -165,6 +225,11 @@ def bits_per_char(logits, targets) -> float:
         (..., V) unnormalised log-probabilities.
     targets : torch.Tensor
         (...) int64 indices of the true next characters.
+
+    Returns
+    -------
+    float
+        The mean cross-entropy in nats divided by ln 2 (bits per character).
     """
     import torch.nn.functional as F
 
@@ -253,7 +318,18 @@ def _torch_module():
             self._mask = nn.Transformer.generate_square_subsequent_mask(context)
 
         def forward(self, idx):
-            """Next-character logits, (B, T, V), for inputs ``idx`` of shape (B, T ≤ context)."""
+            """Next-character logits, (B, T, V), for inputs ``idx`` of shape (B, T ≤ context).
+
+            Parameters
+            ----------
+            idx : torch.Tensor
+                (B, T) int64 character indices, T ≤ ``context``.
+
+            Returns
+            -------
+            torch.Tensor
+                (B, T, V) float logits; position t sees positions ≤ t only (causal mask).
+            """
             T = idx.shape[1]
             h = self.embed(idx) + self.pos.weight[:T]
             mask = self._mask[:T, :T]
@@ -279,20 +355,70 @@ def build_model(
     heads: int = DEFAULTS["heads"],
     context: int = DEFAULTS["context"],
 ):
-    """A :class:`CharTransformer`; with the defaults and seed 0 (V = 104), 1,021,312 parameters."""
+    """A :class:`CharTransformer`; with the defaults and seed 0 (V = 104), 1,021,312 parameters.
+
+    Imports torch. Initialised from ``torch``'s global RNG state.
+
+    Parameters
+    ----------
+    vocab_size : int
+        V, the number of characters (with :data:`UNKNOWN`).
+    width : int, default 128
+        The model dimension (divisible by ``heads``).
+    layers, heads : int, default 5 and 4
+        Number of transformer blocks and attention heads.
+    context : int, default 128
+        T, the longest input in characters.
+
+    Returns
+    -------
+    CharTransformer
+        A :class:`torch.nn.Module` mapping (B, T) int64 indices to (B, T, V) logits.
+    """
     return __getattr__("CharTransformer")(vocab_size, width, layers, heads, context)
 
 
 def default_lr_warmup(steps: int) -> int:
     """The learning rate's warm-up when ``--lr-warmup`` is not given: half the steps
     (:data:`DEFAULTS` ``lr_warmup_fraction``), rounded. docs/performance.md ("The learning
-    rate's warm-up") has the measurements behind the fraction."""
+    rate's warm-up") has the measurements behind the fraction.
+
+    Parameters
+    ----------
+    steps : int
+        The run's total number of steps.
+
+    Returns
+    -------
+    int
+        ``round(DEFAULTS["lr_warmup_fraction"] · steps)`` (the fraction is 0.5): Python's
+        rounding, half to even (3 steps give 2, and so do 5).
+    """
     return round(DEFAULTS["lr_warmup_fraction"] * steps)
 
 
 def lr_at(lr: float, t: int, total: int, warmup: int) -> float:
     """Learning rate at step t of ``total``: linear warm-up over ``warmup`` steps to ``lr``,
-    then cosine-annealed to 0 (a function of the step alone, so resumes follow it)."""
+    then cosine-annealed to 0 (a function of the step alone, so resumes follow it).
+
+    Parameters
+    ----------
+    lr : float
+        The peak learning rate.
+    t : int
+        The step, counted from 0.
+    total : int
+        The run's number of steps.
+    warmup : int
+        Steps of warm-up (0 for none).
+
+    Returns
+    -------
+    float
+        ``lr · (t + 1) / warmup`` for t < ``warmup``; otherwise
+        ``lr · ½ · (1 + cos(π · (t − warmup) / max(total − warmup, 1)))``, which is ``lr`` at
+        t = ``warmup`` and, when ``total`` > ``warmup``, 0 at t = ``total``.
+    """
     if t < warmup:
         return lr * (t + 1) / warmup
     span = max(total - warmup, 1)

@@ -69,14 +69,29 @@ class Trace:
 
     @property
     def mpi_seconds(self) -> float:
+        """Wall-clock seconds this rank spent inside MPI calls while recording.
+
+        float: element 0 of the live clock of ``record(..., timed=True)`` (it grows during the
+        block and stays fixed after it); 0.0 when the recording is not timed.
+        """
         return 0.0 if self.clock is None else float(self.clock[0])
 
     @property
     def mpi_cpu_seconds(self) -> float:
+        """Thread-CPU seconds this rank spent inside MPI calls while recording.
+
+        float: element 1 of the live clock of ``record(..., timed=True)`` (busy-polling
+        included, waiting without the CPU excluded); 0.0 when the recording is not timed.
+        """
         return 0.0 if self.clock is None else float(self.clock[1])
 
     @property
     def mpi_calls(self) -> int:
+        """The number of MPI calls clocked while recording.
+
+        int: element 2 of the live clock of ``record(..., timed=True)``; 0 when the recording
+        is not timed.
+        """
         return 0 if self.clock is None else int(self.clock[2])
 
     def __len__(self) -> int:
@@ -192,6 +207,13 @@ def save_traces(path, traces, meta: dict | None = None) -> Path:
     Path
         The written file. Its layout: ``{"format": "spardl-trace/1", "P": P, "fields": [...],
         "meta": {...}, "ranks": [[[step, phase, kind, peer, bytes], ...], ...]}``.
+
+    Raises
+    ------
+    TypeError
+        If ``meta`` or a record holds a value JSON cannot encode (:func:`json.dumps`).
+    OSError
+        If the file cannot be written.
     """
     path = Path(path)
     doc = {
@@ -208,6 +230,11 @@ def save_traces(path, traces, meta: dict | None = None) -> Path:
 def load_traces(path) -> tuple[list[list[tuple]], dict]:
     """Read a file written by :func:`save_traces`.
 
+    Parameters
+    ----------
+    path : str or Path
+        The file.
+
     Returns
     -------
     (traces, meta)
@@ -216,7 +243,10 @@ def load_traces(path) -> tuple[list[list[tuple]], dict]:
     Raises
     ------
     ValueError
-        If the file is not a spardl trace of a known format.
+        If the file is not JSON (:class:`json.JSONDecodeError`), not a spardl trace of a known
+        format, or its ``P`` is not its number of ranks.
+    OSError
+        If the file cannot be read.
     """
     doc = json.loads(Path(path).read_text())
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -230,11 +260,18 @@ def load_traces(path) -> tuple[list[list[tuple]], dict]:
 def summarize(traces) -> list[dict]:
     """Per rank: messages and bytes sent, in total and per phase and kind.
 
+    Parameters
+    ----------
+    traces : list of P lists of records
+        ``(step, phase, kind, peer, bytes)`` records per rank (:func:`gather_traces`,
+        :func:`load_traces`).
+
     Returns
     -------
     list of dict
         ``traces[r]`` summarized as ``{"messages", "bytes", "steps", "phases": {phase:
-        {"messages", "bytes"}}, "kinds": {kind: messages}}``.
+        {"messages", "bytes"}}, "kinds": {kind: messages}}``; ``steps`` is the number of
+        distinct step numbers in the rank's records.
     """
     out = []
     for recs in traces:
