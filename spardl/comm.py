@@ -125,6 +125,10 @@ class _Accounting:
     trace: list | None = None
     step: int = 0
     clock: list | None = None  # [wall s, thread CPU s, calls] inside MPI calls, while timed
+    #: Whether ``wire="compact"`` messages round values to 16 bits (:func:`pack_wire`); shared,
+    #: so that one setting covers every sub-communicator an allreducer splits off (SparDL's
+    #: teams).
+    quantise: bool = True
 
     def _phase_stats(self) -> dict:
         ph = self.stats["phases"].get(self.phase)
@@ -648,10 +652,20 @@ class Comm:
         self.size = self._mpi.Get_size()
         self._acct = _acct if _acct is not None else _Accounting()
         self._pinned: dict = {}  # slot -> pinned host staging buffer (uint8), grown as needed
-        #: Whether ``wire="compact"`` messages round values to 16 bits (:func:`pack_wire`). An
-        #: allreducer sets it for each step: off at density 1, where nothing is dropped and the
-        #: output must be the exact mean.
-        self.quantise = True
+
+    @property
+    def quantise(self) -> bool:
+        """Whether ``wire="compact"`` messages round values to 16 bits (:func:`pack_wire`).
+
+        An allreducer sets it for each step: off at density 1, where nothing is dropped and the
+        output must be the exact mean. It is shared with every communicator split from this one
+        (and the one it was split from), so the setting reaches all of an allreducer's messages.
+        """
+        return self._acct.quantise
+
+    @quantise.setter
+    def quantise(self, value: bool) -> None:
+        self._acct.quantise = check_bool("quantise", value)
 
     @property
     def _clocked(self):
@@ -850,8 +864,8 @@ class Comm:
         """Split into sub-communicators that share this one's accounting.
 
         Collective (``MPI_Comm_split``). The new :class:`Comm` shares ``stats``, the phase,
-        the trace, the step counter and the clock with this one, owns its MPI communicator
-        (:meth:`free` frees it) and starts with ``quantise`` True.
+        the trace, the step counter, the clock and :attr:`quantise` with this one, and owns its
+        MPI communicator (:meth:`free` frees it).
 
         Parameters
         ----------

@@ -186,12 +186,22 @@ def test_density_one_is_the_exact_mean_on_every_call(comm, algorithm, opts, case
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("algorithm", sorted({a for a, _ in CONFIGS} - {"dense"}))
+@pytest.mark.parametrize(
+    "algorithm", sorted({a for a, _ in CONFIGS} - {"dense"}) + ["spardl:teams=2", "spardl:teams=P"]
+)
 def test_density_one_is_the_exact_mean_with_compact_messages(comm, algorithm, dtype):
     """wire="compact" rounds values to 16 bits below density 1; at density 1 it sends them
-    unrounded, so the output is still the exact mean and the residuals stay zero."""
+    unrounded, so the output is still the exact mean and the residuals stay zero. SparDL with
+    d > 1 included: its team communicators, split off its own, send unrounded too."""
     n = 37
-    ar = spardl.make(algorithm, comm, n, density=1.0, wire="compact")
+    algorithm, _, teams = algorithm.partition(":teams=")
+    options = {}
+    if teams:
+        d = comm.size if teams == "P" else int(teams)
+        if d == 1 or comm.size % d:
+            pytest.skip(f"teams={teams} is not a new case at P={comm.size}")
+        options["teams"] = d
+    ar = spardl.make(algorithm, comm, n, density=1.0, wire="compact", **options)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     for step in range(3):
         grads = grads_for(comm, n, dtype, seed=400 + step)
