@@ -617,7 +617,11 @@ def wire_capacity(nblocks: int, max_pairs: int, index_dtype, value_dtype, wire="
 
 
 def _mpi_op(op: str):
-    return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+    """The MPI reduction named ``op``; ValueError naming it for another name."""
+    ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+    if not isinstance(op, str) or op not in ops:
+        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
+    return ops[op]
 
 
 class Comm:
@@ -1088,9 +1092,10 @@ class Comm:
 
         Raises
         ------
-        KeyError
-            If ``op`` is not one of the three.
+        ValueError
+            If ``op`` is not one of the three (before any message).
         """
+        mpi_op = _mpi_op(op)
         device = A.is_device(x)
         if device:
             x = A.view(x)
@@ -1104,7 +1109,7 @@ class Comm:
         else:
             send = x = np.ascontiguousarray(x)
             recv = np.empty_like(x) if out is None else out
-        self._clocked.Allreduce(_mpi_buffer(send), _mpi_buffer(recv), op=_mpi_op(op))
+        self._clocked.Allreduce(_mpi_buffer(send), _mpi_buffer(recv), op=mpi_op)
         out = self._wire_result(recv, device)
         vol = 2 * x.nbytes * (self.size - 1) // self.size
         self._acct.sent(vol, -1, "allreduce")

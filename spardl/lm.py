@@ -253,10 +253,17 @@ def evaluate(model, x, y, batch: int = 16) -> tuple[float, float]:
     -------
     bits_per_char, accuracy : float
         Over all n·T predictions.
+
+    Raises
+    ------
+    ValueError
+        If ``y`` holds no prediction (no window: a text shorter than the context + 1).
     """
     import torch
     import torch.nn.functional as F
 
+    if y.numel() == 0:
+        raise ValueError("y holds no prediction: no validation window (text shorter than T + 1)")
     model.eval()
     nats, hits = 0.0, 0
     with torch.no_grad():

@@ -273,3 +273,14 @@ def test_ddp_hook_smoke(runs):
     ck = _load(runs / "d.rank0.pt")
     assert ck["reducer"]["allreducer"]["step"] > 0
     assert abs(ck["reducer"]["allreducer"]["residual"]).max() > 0
+
+
+def test_evaluate_refuses_an_empty_validation_set():
+    import torch
+
+    from spardl import lm
+
+    model = lm.build_model(5, 8, 1, 2, 4)
+    empty = torch.zeros((0, 4), dtype=torch.int64)
+    with pytest.raises(ValueError, match="y holds no prediction"):
+        lm.evaluate(model, empty, empty)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 from mpirun import run_mpi
 
@@ -68,5 +69,17 @@ def test_comm_checks_its_flags():
         with pytest.raises(TypeError, match="timed must be a bool, got int"):
             c.start_trace(timed=1)
         assert not c.tracing
+    finally:
+        c.free()
+
+
+def test_comm_allreduce_names_an_unknown_op_before_any_message():
+    from mpi4py import MPI
+
+    c = spardl.Comm(MPI.COMM_SELF)
+    try:
+        with pytest.raises(ValueError, match=r"op must be one of .*, got 'avg'"):
+            c.allreduce(np.ones(3), op="avg")
+        assert c.stats["messages"] == 0
     finally:
         c.free()
