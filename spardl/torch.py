@@ -1586,7 +1586,9 @@ class SparseHookState(_Front):
     model : torch.nn.Module, optional
         The model (or its DDP wrapper). Recommended: parameters are then named in checkpoints
         and errors (a checkpoint loads by name, whatever the layout), and the parameters a rank
-        used are known from the first iteration on (``find_unused_parameters=True``).
+        used are known from the first iteration on (``find_unused_parameters=True``). A
+        parameter DDP reduces that is not one of its parameters (another module
+        given) is a ValueError on every rank, raised after that backward, the step not applied.
     momentum_correction, factor_masking, clip_norm, density_warmup, warmup_density
         Deep Gradient Compression's techniques, as in :class:`SparseGradientReducer`; they run on
         the model's whole gradient (every bucket of the iteration), with the velocity kept by
@@ -1708,6 +1710,7 @@ class SparseHookState(_Front):
             self._names = {id(p): k for k, p in named}
             self._params = [p for _, p in named]
             self._track(self._params)
+            self._model_ids = {id(p) for p in inner.parameters()}
 
     def _track(self, params) -> None:
         # A gradient hook fires when autograd computes the parameter's gradient, before DDP's
@@ -1751,6 +1754,22 @@ class SparseHookState(_Front):
         if self._names is not None and id(p) in self._names:
             return self._names[id(p)]
         return f"#{i}" if i is not None else f"of shape {tuple(p.shape)}"
+
+    def _foreign(self, params) -> ValueError | None:
+        """The error for parameters DDP reduces that the ``model`` given to the state does not
+        hold (another module than the one DDP wraps: its names would key nothing); None when
+        every one is the model's, or no model was given."""
+        if self._names is None:
+            return None
+        foreign = [p for p in params if id(p) not in self._model_ids]
+        if not foreign:
+            return None
+        return ValueError(
+            f"model: {len(foreign)} parameter(s) DDP reduces (shapes "
+            f"{', '.join(str(tuple(p.shape)) for p in foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}) are not parameters of the model "
+            "given as model=; pass the module DDP wraps (or the DDP wrapper itself)"
+        )
 
     def _check_group(self) -> None:
         """Collective, once: the MPI communicator is DDP's (default) process group."""
@@ -1803,6 +1822,7 @@ class SparseHookState(_Front):
                 "sparse_allreduce_hook reduces dense gradients only (use "
                 "nn.Embedding(sparse=False))"
             )
+        err = err or self._foreign(params)
         if self._index is None:
             self._index = {id(p): i for i, p in enumerate(self._params or [])}
             self._track([])
@@ -1893,7 +1913,7 @@ class SparseHookState(_Front):
             for p in ps:
                 seen.append((p, buf, off))
                 off += p.numel()
-        return err, seen, params
+        return err or self._foreign(params), seen, params
 
     def _first_layout(self, params, inflight) -> bool:
         """The flat layout at the first iteration: the parameters in the order given to the

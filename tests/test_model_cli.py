@@ -256,3 +256,13 @@ def test_unknown_options_are_named_by_their_subcommand(argv, prog, capsys):
     assert (
         f"{prog}: error: unrecognized arguments: {' '.join(argv[len(prog.split()) - 1 :])}" in err
     )
+
+
+def test_the_demo_summary_states_bytes_without_a_meaningless_ratio():
+    from spardl.cli.training import bytes_sentence
+
+    assert bytes_sentence(1_000, 50_000) == (
+        "SparDL sends 2.00% of the dense allreduce's bytes per rank (50.0x less)."
+    )
+    assert "At P = 1 no allreduce sends a byte" in bytes_sentence(0, 0)
+    assert "nothing sent" in bytes_sentence(0, 50_000)

@@ -264,6 +264,17 @@ def test_sparse_gradient_is_a_type_error_on_every_rank(checks, algorithm):
 
 
 @pytest.mark.mpi
+def test_a_model_that_ddp_does_not_wrap_is_a_value_error_on_every_rank(checks):
+    """SparseHookState(model=another module): the parameters DDP reduces are not its, so its
+    names would key nothing; both hook modes refuse it on every rank."""
+    for mode, outcomes in checks["edge_cases"]["foreign_model"].items():
+        assert len(outcomes) == 2, mode
+        for kind_name, msg in outcomes:
+            assert kind_name == "ValueError", (mode, msg)
+            assert "are not parameters of the model given as model=" in msg, (mode, msg)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["default", "overlap"])
 def test_ddp_trains_on_after_a_nonfinite_error(checks, mode):
     """An error raised by the hook leaves DDP usable: the iteration that raised has zero

@@ -116,6 +116,26 @@ def add_demo(sub) -> None:
     p.set_defaults(func=_cmd_demo)
 
 
+def bytes_sentence(sparse: int, dense: int) -> str:
+    """The demo's summary of bytes: SparDL's bytes per rank as a share of the dense allreduce's.
+
+    Parameters
+    ----------
+    sparse, dense : int
+        Bytes sent per rank by the SparDL run and by the dense run (metrics.json's
+        ``bytes_sent_per_rank``), ≥ 0.
+
+    Returns
+    -------
+    str
+        One sentence; at P = 1, where neither sends anything, it says so instead of a ratio.
+    """
+    if dense == 0:
+        return "At P = 1 no allreduce sends a byte: run with --world-size ≥ 2 to compare bytes."
+    less = f"{dense / sparse:.1f}x less" if sparse else "nothing sent"
+    return f"SparDL sends {sparse / dense:.2%} of the dense allreduce's bytes per rank ({less})."
+
+
 def _cmd_demo(args) -> int:
     import json
 
@@ -167,10 +187,6 @@ def _cmd_demo(args) -> int:
             f"{name:<10} {dens:>8} {m['final_test_accuracy']:>9.2%} "
             f"{m['bytes_sent_per_rank'] / 1e6:>13.3f} {m['wall_seconds']:>8.1f} {wall:>7.1f}"
         )
-    ratio = rows[0][1]["bytes_sent_per_rank"] / max(rows[1][1]["bytes_sent_per_rank"], 1)
-    print(
-        f"\nSparDL sends {ratio:.2%} of the dense allreduce's bytes per rank "
-        f"({1 / max(ratio, 1e-12):.1f}x less)."
-    )
+    print("\n" + bytes_sentence(*(r[1]["bytes_sent_per_rank"] for r in rows[:2])))
     print("Metrics and plots: " + ", ".join(str(r[3]) for r in rows))
     return 0

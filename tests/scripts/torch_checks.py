@@ -9,6 +9,7 @@ the outer test asserts on them. Any exception aborts the whole job (non-zero exi
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import sys
 
@@ -451,6 +452,30 @@ def sparse_gradients(world, algorithm):
     return {"reducer": _outcome(world, reducer_step), "hook": _outcome(world, hook_step)}
 
 
+def foreign_model(world):
+    """Edge case 8: ``model=`` a module DDP does not wrap: a ValueError on every rank, in both
+    hook modes, instead of checkpoints silently keyed by position."""
+
+    def hook_step(overlap):
+        torch.manual_seed(5)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+        net = DDP(m)
+        other = torch.nn.Linear(3, 3)
+        st = SparseHookState(
+            world, "spardl", warmup_steps=0, density=1.0, model=other, overlap=overlap
+        )
+        net.register_comm_hook(st, sparse_allreduce_hook)
+        try:
+            net(torch.ones(2, 3)).sum().backward()
+        finally:
+            st.close()
+
+    return {
+        mode: _outcome(world, functools.partial(hook_step, mode == "overlap"))
+        for mode in ("default", "overlap")
+    }
+
+
 def frozen_and_unused(world, algorithm):
     """Edge case 4 (reducer): a parameter without a gradient on every rank and one frozen after
     the reducer was built keep .grad None and do not move under SGD(weight_decay)."""
@@ -577,7 +602,7 @@ def trains_on_after_an_error(world, algorithm):
 
 def edge_case_checks(world):
     torch.manual_seed(0)
-    out = {"launch_mismatch": launch_mismatch(world)}
+    out = {"launch_mismatch": launch_mismatch(world), "foreign_model": foreign_model(world)}
     for algorithm in SPARSE_ALGORITHMS:
         out[algorithm] = {
             "resume": hook_resume(world, algorithm),
