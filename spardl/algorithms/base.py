@@ -417,7 +417,11 @@ class Allreducer:
         if ndim != 1:
             raise ValueError(f"grad must be 1-D, got shape {tuple(shape)}")
         if dtype not in VALUE_DTYPES:
-            raise TypeError(f"grad dtype must be float16, float32 or float64, got {dtype}")
+            why = ""
+            native = np.dtype(dtype).newbyteorder("=") if np.dtype(dtype).kind == "f" else None
+            if native is not None and native in VALUE_DTYPES:
+                why = f" ({native} in non-native byte order: pass grad.astype('{native}'))"
+            raise TypeError(f"grad dtype must be float16, float32 or float64, got {dtype}{why}")
         if shape[0] != self.n:
             raise ValueError(f"grad has length {shape[0]}, expected n={self.n}")
         if self._dtype is not None and dtype != self._dtype:

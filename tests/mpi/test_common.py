@@ -235,6 +235,12 @@ def test_bad_gradient_raises_everywhere(comm, algorithm, bad):
     _expect_error_everywhere(comm, lambda: ar(g), match="grad")
 
 
+def test_a_byte_swapped_float_gradient_is_named_as_such(comm):
+    ar = spardl.make("topka", comm, 100, density=0.1)
+    g = np.ones(100, np.dtype(np.float32).newbyteorder("S"))
+    _expect_error_everywhere(comm, lambda: ar(g), match="non-native byte order")
+
+
 def test_unknown_algorithm_on_one_rank_raises_everywhere(comm):
     name = "no-such-algorithm" if comm.rank == 0 else "dense"
     _expect_error_everywhere(comm, lambda: spardl.make(name, comm, 10), ValueError)
