@@ -188,6 +188,19 @@ def test_ddp_hook_resume_equals_uninterrupted_bit_for_bit(runs):
         assert [h["loss"] for h in full["history"]] == [h["loss"] for h in res["history"]]
 
 
+def test_a_diverging_run_ends_with_one_line_and_status_1(tmp_path):
+    """A learning rate that makes the gradient overflow: every rank's allreducer raises
+    NonFiniteError at the same step, so the job ends with one line from rank 0, status 1, no
+    traceback and no MPI_Abort."""
+    argv = [*COMMON, "--epochs", "1", "--lr", "1e30", "--model", "mlp"]
+    proc = run_mpi(2, [*argv, "--out", str(tmp_path)], timeout=120, env=ENV, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("spardl train: error: the training diverged: "), proc.stderr
+    assert "NaN or Inf" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line, from rank 0
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [

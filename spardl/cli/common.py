@@ -96,16 +96,24 @@ def run_collective(fn, *args, prog: str = "spardl") -> int:
     Under ``mpiexec`` a rank that raises would leave the others blocked in their next collective,
     so the failing rank prints its traceback and aborts the MPI job (every rank exits non-zero
     within seconds; :func:`spardl.abort_on_exception`). A :class:`UsageError` (raised by every
-    rank alike, before any communication) is printed once by rank 0 and gives status 2.
+    rank alike, before any communication) is printed once by rank 0 and gives status 2. A
+    :class:`spardl.NonFiniteError` (a reduced gradient with NaN or Inf: every rank raises it at
+    the same step, so nothing waits) is printed once by rank 0 and gives status 1, without a
+    traceback or an abort.
     """
+    from ..algorithms.base import NonFiniteError
     from ..comm import abort_on_exception
 
     world = _world()
     try:
-        with abort_on_exception(world, reraise=UsageError):
+        with abort_on_exception(world, reraise=(UsageError, NonFiniteError)):
             fn(*args, world)
     except UsageError as e:  # raised by every rank before any communication: no abort needed
         if world.Get_rank() == 0:
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteError as e:  # raised by every rank at the same step
+        if world.Get_rank() == 0:
+            print(f"{prog}: error: the training diverged: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
