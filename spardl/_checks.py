@@ -15,6 +15,7 @@ import numpy as np
 
 __all__ = [
     "check_int",
+    "check_int_at_least",
     "check_float",
     "check_bool",
     "check_counter",
@@ -67,6 +68,22 @@ def check_int(name: str, value, *, numpy: bool = True):
     if isinstance(value, bool) or not isinstance(value, types):
         raise TypeError(f"{name} must be an integer, got {type_name(value)}")
     return value
+
+
+def check_int_at_least(name: str, value, lo: int, *, numpy: bool = True) -> int:
+    """``value`` as a Python int when it is an integer (:func:`check_int`) ≥ ``lo``.
+
+    Raises
+    ------
+    TypeError
+        ``"{name} must be an integer, got {type}"``.
+    ValueError
+        ``"{name} must be >= {lo}, got {value}"``.
+    """
+    check_int(name, value, numpy=numpy)
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return int(value)
 
 
 def check_counter(name: str, value) -> int:

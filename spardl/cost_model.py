@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ._checks import check_density, check_float, check_int, type_name
+from ._checks import check_density, check_float, check_int, check_int_at_least, type_name
 
 __all__ = [
     "Cost",
@@ -142,10 +142,7 @@ _KINDS = ("p2p", "allgather", "allgatherv", "bcast", "allreduce")
 def _check_count(name: str, value, lo: int) -> int:
     """``value`` when it is a Python int (not a bool) ≥ ``lo``: TypeError or ValueError naming
     ``name`` otherwise. The integer check of every function here."""
-    check_int(name, value, numpy=False)
-    if value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    return value
+    return check_int_at_least(name, value, lo, numpy=False)
 
 
 def _check(P, n, k, **options) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_int
+from ._checks import check_int_at_least
 
 __all__ = ["SparseResult"]
 
@@ -70,8 +70,7 @@ class SparseResult:
     def __init__(self, indices, values, n: int):
         from . import _arrays as A
 
-        if check_int("n", n) < 0:
-            raise ValueError(f"n must be ≥ 0, got {n}")
+        n = check_int_at_least("n", n, 0)
         device = A.is_device(indices) or A.is_device(values)
         if not device:
             indices, values = np.asarray(indices), np.asarray(values)
@@ -95,7 +94,7 @@ class SparseResult:
             ):
                 raise ValueError(f"indices must be strictly ascending in [0, {n}), n = {n}")
             indices = indices.astype(np.int64, copy=False)
-        self._set(indices, values, int(n))
+        self._set(indices, values, n)
 
     def _set(self, indices, values, n: int) -> None:
         object.__setattr__(self, "n", n)

@@ -22,7 +22,14 @@ import spardl_kernels as K
 from spardl_kernels.devices import is_device_array
 
 from . import _arrays as A
-from ._checks import check_counter, check_float, check_int, malformed, type_name
+from ._checks import (
+    check_counter,
+    check_float,
+    check_int,
+    check_int_at_least,
+    malformed,
+    type_name,
+)
 
 __all__ = ["Selector", "ExactSelector", "ThresholdSelector", "make_selector", "SELECTORS"]
 
@@ -40,21 +47,16 @@ def _check_x_k(x, k):
 
 def _check_k(k) -> int:
     """A budget: an integer (not a bool) ≥ 0, as a Python int."""
-    check_int("k", k)
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
-    return int(k)
+    return check_int_at_least("k", k, 0)
 
 
 def _check_n_k(n, k) -> tuple[int, int]:
     """A length n ≥ 0 and a budget k in [0, n], integers (not bools), as Python ints."""
-    check_int("n", n)
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    n = check_int_at_least("n", n, 0)
     check_int("k", k)
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, n={n}], got {k}")
-    return int(n), int(k)
+    return n, int(k)
 
 
 def _empty(x):

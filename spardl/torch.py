@@ -34,6 +34,7 @@ from ._checks import (
     check_density,
     check_float,
     check_int,
+    check_int_at_least,
     is_count,
     malformed,
     type_name,
@@ -279,9 +280,7 @@ def warmup_density_at(step: int, warmup: int, start: float, target: float) -> fl
     ValueError
         If ``step`` or ``warmup`` is negative, or ``start`` or ``target`` outside (0, 1].
     """
-    for name, v in (("step", step), ("warmup", warmup)):
-        if check_int(name, v) < 0:
-            raise ValueError(f"{name} must be ≥ 0, got {v}")
+    step, warmup = check_int_at_least("step", step, 0), check_int_at_least("warmup", warmup, 0)
     start, target = check_density("start", start), check_density("target", target)
     if step >= warmup:
         return float(target)

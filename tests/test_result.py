@@ -95,7 +95,7 @@ def test_results_are_read_only():
         ([0.0], [1.0], 3, TypeError, "indices must have an integer dtype"),
         ([0], [1], 3, TypeError, "values must have a floating dtype"),
         ([0], ["a"], 3, TypeError, "values must have a floating dtype"),
-        ([0], [1.0], -3, ValueError, "n must be ≥ 0"),
+        ([0], [1.0], -3, ValueError, "n must be >= 0"),
         ([0], [1.0], 3.0, TypeError, "n must be an integer"),
         ([0], [1.0], True, TypeError, "n must be an integer"),
     ],
