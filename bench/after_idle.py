@@ -15,7 +15,6 @@ CPU time (``time.process_time``) per mode.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,18 +24,32 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spardl  # noqa: E402
+from bench._args import (  # noqa: E402
+    DENSITY,
+    NONNEGATIVE_FLOAT,
+    NONNEGATIVE_INT,
+    POSITIVE_INT,
+    Parser,
+)
 
 
 def _args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # One line from rank 0 for a usage error, before any allreducer is built.
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--algorithm", default="spardl", choices=sorted(spardl.ALGORITHMS))
-    ap.add_argument("--teams", type=int, default=1, help="SparDL's d")
-    ap.add_argument("--n", type=int, default=25_000_000)
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--repeat", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=6)
-    ap.add_argument("--pause", type=float, nargs="+", default=[0.2, 1.9], help="seconds")
-    return ap.parse_args(argv)
+    ap.add_argument("--teams", type=POSITIVE_INT, default=1, help="SparDL's d (divides P)")
+    ap.add_argument("--n", type=POSITIVE_INT, default=25_000_000)
+    ap.add_argument("--density", type=DENSITY, default=0.01)
+    ap.add_argument("--repeat", type=POSITIVE_INT, default=8)
+    ap.add_argument("--warmup", type=NONNEGATIVE_INT, default=6)
+    ap.add_argument(
+        "--pause", type=NONNEGATIVE_FLOAT, nargs="+", default=[0.2, 1.9], help="seconds"
+    )
+    a = ap.parse_args(argv)
+    P = MPI.COMM_WORLD.size
+    if a.algorithm == "spardl" and P % a.teams:
+        ap.error(f"--teams must divide the number of ranks P={P}, got {a.teams}")
+    return a
 
 
 def main(argv=None) -> int:

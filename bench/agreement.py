@@ -14,21 +14,26 @@ the answer.
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
-from spardl.algorithms.base import SIGNATURE_LEN, _dtype_code, collective_check
-from spardl.comm import Comm, name_hash
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._args import POSITIVE_INT, Parser  # noqa: E402
+from spardl.algorithms.base import SIGNATURE_LEN, _dtype_code, collective_check  # noqa: E402
+from spardl.comm import Comm, name_hash  # noqa: E402
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=2000, help="calls per round (default 2000)")
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    ap = Parser(description=__doc__.split("\n\n")[0])  # a usage error: one line, from rank 0
+    ap.add_argument(
+        "--calls", type=POSITIVE_INT, default=2000, help="calls per round (default 2000)"
+    )
+    ap.add_argument("--rounds", type=POSITIVE_INT, default=5, help="alternating rounds (default 5)")
     args = ap.parse_args(argv)
     world = MPI.COMM_WORLD
     comm = Comm(world)

@@ -49,7 +49,15 @@ from mpi4py import MPI
 # are this checkout's even where the editable install's finder is stale.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spardl  # noqa: E402
-from spardl.cli.common import DENSITY, NONNEGATIVE_INT, POSITIVE_INT, SEED, Parser  # noqa: E402
+from bench._args import output_file, plot_file  # noqa: E402
+from spardl.cli.common import (  # noqa: E402
+    DENSITY,
+    NONNEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    SEED,
+    Parser,
+)
 
 
 def _args(argv):
@@ -83,7 +91,7 @@ def _args(argv):
     ap.add_argument("--seed", type=SEED, default=0)
     ap.add_argument(
         "--scale",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=1e-3,
         help="the gradient's magnitude (Student-t values times this); below about 6e-5·P most "
         "values of the raw fp16 row's float16 copy are subnormal",
@@ -99,8 +107,10 @@ def _args(argv):
         help="also run spardl with check=False (no cross-rank consistency check), "
         "to show what the check costs",
     )
-    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
-    ap.add_argument("--plot", metavar="PATH.png", help="time and bytes vs density per algorithm")
+    ap.add_argument("--json", metavar="PATH", type=output_file, help="write the rows as JSON")
+    ap.add_argument(
+        "--plot", metavar="PATH.png", type=plot_file, help="time and bytes vs density per algorithm"
+    )
     a = ap.parse_args(argv)
     a.algorithms = [s for s in a.algorithms.split(",") if s]
     unknown = [s for s in a.algorithms if s not in spardl.ALGORITHMS]

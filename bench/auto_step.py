@@ -16,7 +16,6 @@ mean ms per step, ratio of medians to the best fixed choice), with ``auto``'s ex
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spardl  # noqa: E402
+from bench._args import DENSITY, NONNEGATIVE_INT, POSITIVE_INT, Parser  # noqa: E402
 from spardl.algorithms.auto import candidate_names, explain  # noqa: E402
 
 
@@ -39,15 +39,15 @@ def _fixed(name: str):
 
 def _args(argv):
     """The command line's options."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=2_500_000)
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per round")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--interval", type=int, default=100, help="auto's interval")
-    ap.add_argument("--trials", type=int, default=3, help="auto's trials")
-    ap.add_argument("--grads", type=int, default=3, help="gradients per rank, cycled")
+    ap = Parser(description=__doc__.splitlines()[0])  # a usage error: one line, from rank 0
+    ap.add_argument("--n", type=POSITIVE_INT, default=2_500_000)
+    ap.add_argument("--density", type=DENSITY, default=0.01)
+    ap.add_argument("--rounds", type=POSITIVE_INT, default=3)
+    ap.add_argument("--steps", type=POSITIVE_INT, default=8, help="timed steps per round")
+    ap.add_argument("--warmup", type=NONNEGATIVE_INT, default=3)
+    ap.add_argument("--interval", type=POSITIVE_INT, default=100, help="auto's interval")
+    ap.add_argument("--trials", type=NONNEGATIVE_INT, default=3, help="auto's trials")
+    ap.add_argument("--grads", type=POSITIVE_INT, default=3, help="gradients per rank, cycled")
     return ap.parse_args(argv)
 
 

@@ -26,6 +26,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench._args import (  # noqa: E402
+    DENSITY,
+    NONNEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    Parser,
+    output_dir,
+)
 
 
 def _layout(text: str) -> tuple[int, int]:
@@ -33,23 +41,41 @@ def _layout(text: str) -> tuple[int, int]:
         nodes, per = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"layout must be NxR (e.g. 4x1), got {text!r}") from None
-    if nodes < 1 or per < 1:
-        raise argparse.ArgumentTypeError(f"layout needs N, R >= 1, got {text!r}")
+    from spardl.cluster import MAX_NODES
+
+    if not 1 <= nodes <= MAX_NODES or per < 1:
+        raise argparse.ArgumentTypeError(
+            f"layout needs 1 <= N <= {MAX_NODES} and R >= 1, got {text!r}"
+        )
     return nodes, per
 
 
 def _args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--bandwidth", nargs="+", default=["1gbit", "10gbit"], help="link rates")
+    # Every option checked here, before any node is created.
+    import spardl
+    from spardl.cli.cluster import rate_type
+
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--bandwidth", type=rate_type, nargs="+", default=["1gbit", "10gbit"], help="link rates"
+    )
     ap.add_argument("--layout", type=_layout, nargs="+", default=[(4, 1), (4, 2)], help="NxR")
-    ap.add_argument("--n", type=int, default=25_000_000)
-    ap.add_argument("--density", type=float, nargs="+", default=[0.001, 0.01, 0.1])
+    ap.add_argument("--n", type=POSITIVE_INT, default=25_000_000)
+    ap.add_argument("--density", type=DENSITY, nargs="+", default=[0.001, 0.01, 0.1])
     ap.add_argument("--algorithms", default=None, help="comma-separated (default: all)")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=1800, help="per configuration, seconds")
-    ap.add_argument("--out", type=Path, default=Path("results/cluster"))
-    return ap.parse_args(argv)
+    ap.add_argument("--repeat", type=POSITIVE_INT, default=5)
+    ap.add_argument("--warmup", type=NONNEGATIVE_INT, default=2)
+    ap.add_argument(
+        "--timeout", type=POSITIVE_FLOAT, default=1800, help="per configuration, seconds"
+    )
+    ap.add_argument("--out", type=output_dir, default="results/cluster")
+    a = ap.parse_args(argv)
+    if a.algorithms is not None:
+        names = [s for s in a.algorithms.split(",") if s]
+        unknown = [s for s in names if s not in spardl.ALGORITHMS]
+        if unknown or not names:
+            ap.error(f"unknown algorithm(s) {unknown}; known: {sorted(spardl.ALGORITHMS)}")
+    return a
 
 
 def run_one(bandwidth: str, nodes: int, per_node: int, a, tmp: Path) -> dict:

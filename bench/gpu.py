@@ -19,11 +19,21 @@ Usage (see docs/performance.md, "GPU kernels")::
     python bench/gpu.py out.json --sizes 1000000 --repeats 3     # a quick smoke run
 """
 
-import argparse
 import json
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._args import (  # noqa: E402
+    DENSITY,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    Parser,
+    comma_list,
+    output_file,
+)
 
 KERNELS = [
     "copy",
@@ -45,18 +55,21 @@ KERNELS = [
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="Benchmark the CUDA kernels of spardl_kernels beside torch on one GPU.",
     )
-    p.add_argument("json_path", help="where to write the results (JSON)")
+    p.add_argument("json_path", type=output_file, help="where to write the results (JSON)")
     p.add_argument(
         "--sizes",
+        type=comma_list(POSITIVE_INT),
         default="25000000,110000000",
         help="comma-separated vector lengths n (default: %(default)s)",
     )
-    p.add_argument("--density", type=float, default=0.01, help="rho, k = rho * n (default 0.01)")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls per row (median)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per row (>= 1: compile)")
+    p.add_argument("--density", type=DENSITY, default=0.01, help="rho, k = rho * n (default 0.01)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=10, help="timed calls per row (median)")
+    p.add_argument(
+        "--warmup", type=POSITIVE_INT, default=2, help="untimed calls per row (>= 1: compile)"
+    )
     p.add_argument(
         "--kernels",
         default=",".join(KERNELS),
@@ -64,29 +77,19 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--budget-s",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=420.0,
         help="stop starting new rows after this many seconds (default %(default)s: the whole "
         "run fits in 8 minutes)",
     )
-    p.add_argument("--P", type=int, default=64, help="blocks for the bounds kernels (default 64)")
+    p.add_argument(
+        "--P", type=POSITIVE_INT, default=64, help="blocks for the bounds kernels (default 64)"
+    )
     args = p.parse_args(argv)
-    try:
-        args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    except ValueError:
-        p.error(f"--sizes: expected comma-separated integers, got {args.sizes!r}")
-    if not args.sizes or min(args.sizes) < 1:
-        p.error("--sizes: every n must be >= 1")
-    if not 0.0 < args.density <= 1.0:
-        p.error("--density: must lie in (0, 1]")
-    if args.repeats < 1 or args.warmup < 1:
-        p.error("--repeats and --warmup must be >= 1")
     args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = sorted(set(args.kernels) - set(KERNELS))
-    if unknown:
-        p.error(f"--kernels: unknown {unknown}; choose from {KERNELS}")
-    if args.P < 1:
-        p.error("--P: must be >= 1")
+    if unknown or not args.kernels:
+        p.error(f"argument --kernels: unknown {unknown}; choose from {KERNELS}")
     return args
 
 

@@ -10,15 +10,18 @@ Prints one table per n with times and the ratios the project's goals are stated 
 (docs/performance.md, "Kernels"), and the measured error of estimate_threshold.
 """
 
-import argparse
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-import spardl_kernels as sk
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import spardl_kernels as sk  # noqa: E402
+from bench._args import DENSITY, NONNEGATIVE_INT, POSITIVE_INT, Parser  # noqa: E402
 
 
 def gradient_like(n, seed=0):
@@ -204,25 +207,29 @@ def bench_size(n, repeat, density, torch_threads):
     return n, k, n_params, rows, ratios, rel, cnt
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[2**20, 25_000_000])
-    ap.add_argument("--repeat", type=int, default=7, help="timed runs per entry (median)")
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--torch-threads", type=int, default=os.cpu_count())
+def _args(argv):
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=POSITIVE_INT, nargs="+", default=[2**20, 25_000_000])
+    ap.add_argument("--repeat", type=POSITIVE_INT, default=7, help="timed runs per entry (median)")
+    ap.add_argument("--density", type=DENSITY, default=0.01)
+    ap.add_argument("--torch-threads", type=POSITIVE_INT, default=os.cpu_count())
     ap.add_argument(
         "--threads",
-        type=int,
+        type=POSITIVE_INT,
         default=None,
         help="spardl_kernels.config.CPU_THREADS (default: Numba's, NUMBA_NUM_THREADS)",
     )
     ap.add_argument(
         "--merge-parallel-min",
-        type=int,
+        type=NONNEGATIVE_INT,
         default=None,
         help="spardl_kernels.config.MERGE_PARALLEL_MIN (default: the config's, threaded merge off)",
     )
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = _args(argv)
     import numba
 
     from spardl_kernels import config

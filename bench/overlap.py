@@ -17,47 +17,67 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._args import (  # noqa: E402
+    DENSITY,
+    NONNEGATIVE_FLOAT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    Parser,
+    option_type,
+    output_file,
+)
 
 MODES = ("sync", "overlap")
+# The first warm-up step of each mode is dense, the next ones build and warm the hook's state.
+WARMUP = option_type(int, lambda v: v >= 3, "an integer >= 3")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json_path", help="where rank 0 writes the results (JSON)")
-    p.add_argument("--algorithm", default="spardl", help="spardl.ALGORITHMS key (default spardl)")
-    p.add_argument("--density", type=float, default=0.01, help="rho (default 0.01)")
-    p.add_argument("--width", type=int, default=400, help="layer width (default 400)")
-    p.add_argument("--layers", type=int, default=8, help="linear layers (default 8)")
-    p.add_argument("--delay-ms", type=float, default=10.0, help="backward delay per layer")
+    """The options; a bad one is one line from rank 0 and status 2 on every rank."""
+    import spardl
+
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json_path", type=output_file, help="where rank 0 writes the results (JSON)")
+    p.add_argument(
+        "--algorithm",
+        default="spardl",
+        choices=sorted(spardl.ALGORITHMS),
+        help="spardl.ALGORITHMS key (default spardl)",
+    )
+    p.add_argument("--density", type=DENSITY, default=0.01, help="rho (default 0.01)")
+    p.add_argument("--width", type=POSITIVE_INT, default=400, help="layer width (default 400)")
+    p.add_argument("--layers", type=POSITIVE_INT, default=8, help="linear layers (default 8)")
+    p.add_argument(
+        "--delay-ms", type=NONNEGATIVE_FLOAT, default=10.0, help="backward delay per layer"
+    )
     p.add_argument(
         "--batch",
-        type=int,
+        type=POSITIVE_INT,
         default=32,
         help="samples per rank and step (default 32); the forward and backward passes run on "
         "this machine's CPUs beside the delays, so a small batch leaves the delays (the "
         "accelerator's share) as most of the step's compute",
     )
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="DDP's bucket_cap_mb")
-    p.add_argument("--blocks", type=int, default=40, help="alternating blocks per mode")
-    p.add_argument("--steps", type=int, default=1, help="timed steps per block")
-    p.add_argument("--warmup", type=int, default=4, help="untimed steps per mode (first: dense)")
+    p.add_argument("--bucket-cap-mb", type=POSITIVE_FLOAT, default=1.0, help="DDP's bucket_cap_mb")
+    p.add_argument("--blocks", type=POSITIVE_INT, default=40, help="alternating blocks per mode")
+    p.add_argument("--steps", type=POSITIVE_INT, default=1, help="timed steps per block")
+    p.add_argument(
+        "--warmup", type=WARMUP, default=4, help="untimed steps per mode (first: dense; >= 3)"
+    )
     p.add_argument(
         "--timeline",
         action="store_true",
         help="also record one overlapped step's bucket timeline on rank 0 (hook call, reduction "
         "start and end, ms from the step's start)",
     )
-    args = p.parse_args(argv)
-    if min(args.width, args.layers, args.blocks, args.steps, args.batch) < 1 or args.warmup < 3:
-        p.error("--width, --layers, --blocks, --steps, --batch must be >= 1 and --warmup >= 3")
-    if not 0 < args.density <= 1 or args.delay_ms < 0 or args.bucket_cap_mb <= 0:
-        p.error("--density in (0, 1], --delay-ms >= 0, --bucket-cap-mb > 0")
-    return args
+    return p.parse_args(argv)
 
 
 def build(args):

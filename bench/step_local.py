@@ -11,7 +11,6 @@ interleaved (the machine is shared: compare within a row).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spardl  # noqa: E402
+from bench._args import DENSITY, POSITIVE_INT, Parser  # noqa: E402
 
 
 def _median_ms(fn, repeat):
@@ -48,18 +48,22 @@ def step_ms(algorithm, g, density, keep, repeat):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=25_000_000)
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--algorithms", default="spardl,topka,oktopk")
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=POSITIVE_INT, default=25_000_000)
+    ap.add_argument("--density", type=DENSITY, default=0.01)
+    ap.add_argument("--repeat", type=POSITIVE_INT, default=7)
+    ap.add_argument("--algorithms", default="spardl,topka,oktopk", help="comma-separated")
     a = ap.parse_args(argv)
+    a.algorithms = [s for s in a.algorithms.split(",") if s]
+    unknown = [s for s in a.algorithms if s not in spardl.ALGORITHMS]
+    if unknown or not a.algorithms:
+        ap.error(f"--algorithms: unknown {unknown}; known: {sorted(spardl.ALGORITHMS)}")
     g = (np.random.default_rng(0).standard_t(3, a.n) * 1e-3).astype(np.float32)
     x = np.empty_like(g)
     print(f"# n = {a.n}, density {a.density}, float32, median of {a.repeat} steps (ms)")
     print("| algorithm | no reuse | reuse | no reuse | reuse | np.copyto |")
     print("|---|---|---|---|---|---|")
-    for alg in a.algorithms.split(","):
+    for alg in a.algorithms:
         cells = [step_ms(alg, g, a.density, keep, a.repeat) for keep in (True, False) * 2]
         copy = _median_ms(lambda: np.copyto(x, g), a.repeat)
         print(f"| {alg} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {copy:.1f} |")

@@ -22,14 +22,23 @@ the dense run's final bits per character + 3%, at evaluation granularity.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._args import (  # noqa: E402
+    DENSITY,
+    NONNEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    SEED,
+    Parser,
+    output_dir,
+)
 from spardl.cli import launch_train  # noqa: E402
+from spardl.cli.cluster import rate_type  # noqa: E402
 
 CONFIGS = {
     "spardl": ["--algorithm", "spardl", "--residual", "global"],
@@ -217,10 +226,10 @@ def _digits_table(rows, dense_by_seed: dict, where: str, density: float) -> list
 
 def _args(argv):
     """The command line's options."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", "-n", type=int, default=4)
-    p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", "-n", type=POSITIVE_INT, default=4)
+    p.add_argument("--density", type=DENSITY, default=0.01)
+    p.add_argument("--seeds", type=SEED, nargs="+", default=[0])
     p.add_argument(
         "--configs",
         nargs="+",
@@ -229,31 +238,47 @@ def _args(argv):
         help="runs per seed (default: %(default)s); dense is added if missing",
     )
     p.add_argument("--task", choices=("digits", "lm"), default="digits")
-    p.add_argument("--epochs", type=int, default=None, help="default: the train default")
-    p.add_argument("--steps", type=int, default=None, help="lm: default: the train default")
-    p.add_argument("--eval-every", type=int, default=None, help="lm: default: the train default")
+    p.add_argument("--epochs", type=POSITIVE_INT, default=None, help="default: the train default")
     p.add_argument(
-        "--lr-warmup", type=int, default=None, help="lm: steps (default: the train default)"
+        "--steps", type=POSITIVE_INT, default=None, help="lm: default: the train default"
+    )
+    p.add_argument(
+        "--eval-every", type=POSITIVE_INT, default=None, help="lm: default: the train default"
+    )
+    p.add_argument(
+        "--lr-warmup",
+        type=NONNEGATIVE_INT,
+        default=None,
+        help="lm: steps (default: the train default)",
     )
     p.add_argument("--model", choices=("cnn", "mlp"), default=None, help="digits: the model")
-    p.add_argument("--width", type=int, default=None, help="model width (default: the train one)")
-    p.add_argument("--batch-size", type=int, default=None, help="per rank (default: the train one)")
+    p.add_argument(
+        "--width", type=POSITIVE_INT, default=None, help="model width (default: the train one)"
+    )
+    p.add_argument(
+        "--batch-size", type=POSITIVE_INT, default=None, help="per rank (default: the train one)"
+    )
     p.add_argument(
         "--clip-norm",
-        type=float,
+        type=POSITIVE_FLOAT,
         default=4.0,
         help="C of the configs with local clipping (default: %(default)s: each rank's gradient "
         "is clipped to C/sqrt(P); the digits CNN's per-rank gradient norm is about 2)",
     )
     p.add_argument(
         "--density-warmup",
-        type=int,
+        type=NONNEGATIVE_INT,
         default=46,
         help="steps of the density warm-up in the configs that have one (default: %(default)s)",
     )
-    p.add_argument("--bandwidth", default=None, help="run on emulated nodes with this link rate")
-    p.add_argument("--out", type=Path, default=Path("runs/bench-training"))
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument(
+        "--bandwidth",
+        type=rate_type,
+        default=None,
+        help="run on emulated nodes with this link rate",
+    )
+    p.add_argument("--out", type=output_dir, default="runs/bench-training")
+    p.add_argument("--timeout", type=POSITIVE_FLOAT, default=900)
     return p.parse_args(argv)
 
 

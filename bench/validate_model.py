@@ -69,6 +69,15 @@ from statistics import median
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The option types without importing spardl (which would initialise MPI in the driver).
+from bench._args import (  # noqa: E402
+    DENSITY,
+    NONNEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    Parser,
+    output_file_parents,
+)
 
 SPARSE = ("spardl", "oktopk", "topka", "gaussiank", "topkdsa", "gtopk")
 
@@ -80,6 +89,17 @@ def _cores() -> int:
 def _mpiexec() -> str:
     here = Path(sys.executable).parent / "mpiexec"
     return str(here) if here.exists() else "mpiexec"
+
+
+def _rate(text: str) -> str:
+    """argparse ``type=`` for ``--bandwidth``: a link rate in tc syntax (checked, kept as text).
+    spardl is imported only when the option is given: cluster mode imports it anyway."""
+    from spardl.cli.cluster import rate_type
+
+    return rate_type(text)
+
+
+_rate.__name__ = "rate"
 
 
 def _spawn(P: int, args: list[str], timeout: float, bandwidth: str | None = None) -> None:
@@ -351,18 +371,21 @@ def summary(rows, fit=None) -> list[str]:
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=2_000_000)
-    ap.add_argument("--density", type=float, default=0.01)
+def _parser() -> Parser:
+    ap = Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=POSITIVE_INT, default=2_000_000)
+    ap.add_argument("--density", type=DENSITY, default=0.01)
     ap.add_argument("--P", default="1-8", help="world sizes, e.g. 1-8 (P = 1 is always run)")
     ap.add_argument("--algorithms", default=",".join((*SPARSE, "dense")))
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=300, help="per mpiexec, seconds")
-    ap.add_argument("--out", help="write fit, rows and environment as JSON")
+    ap.add_argument("--repeat", type=POSITIVE_INT, default=5)
+    ap.add_argument("--warmup", type=NONNEGATIVE_INT, default=2)
+    ap.add_argument("--timeout", type=POSITIVE_FLOAT, default=300, help="per mpiexec, seconds")
+    ap.add_argument(
+        "--out", type=output_file_parents, help="write fit, rows and environment as JSON"
+    )
     ap.add_argument(
         "--bandwidth",
+        type=_rate,
         default=None,
         help="cluster mode: every job on emulated nodes (one rank each) with links of this rate "
         "(tc syntax, e.g. 1gbit; needs root); the ping-pong then fits the link",
@@ -373,13 +396,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _world_sizes(ap, a) -> list[int]:
-    """The world sizes to measure (P = 1 always), after checking --P, --repeat and --warmup."""
+    """The world sizes to measure (P = 1 always), after checking --P and --algorithms."""
     try:
         Ps = sorted(set(_parse_P(a.P)) | {1})
     except ValueError as e:
         ap.error(str(e))
-    if a.repeat < 1 or a.warmup < 0:
-        ap.error(f"--repeat must be >= 1 and --warmup >= 0, got {a.repeat}, {a.warmup}")
+    unknown = [s for s in a.algorithms if s not in (*SPARSE, "dense")]
+    if unknown or not a.algorithms:
+        ap.error(f"--algorithms: unknown {unknown}; known: {[*SPARSE, 'dense']}")
     return Ps
 
 

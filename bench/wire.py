@@ -20,7 +20,6 @@ ratio but not of ``bytes_sent``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -36,25 +35,39 @@ import spardl.algorithms.gtopk  # noqa: E402
 import spardl.algorithms.oktopk  # noqa: E402
 import spardl.algorithms.topkdsa  # noqa: E402
 import spardl.comm  # noqa: E402
+from bench._args import (  # noqa: E402
+    DENSITY,
+    NONNEGATIVE_INT,
+    POSITIVE_INT,
+    SEED,
+    Parser,
+    output_file,
+)
 
 SPARSE = [a for a in sorted(spardl.ALGORITHMS) if a != "dense"]
 
 
 def _args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # One line from rank 0 for a usage error, before any allreducer is built.
+    ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--algorithms", default=",".join(SPARSE), help="comma-separated names")
-    ap.add_argument("--n", type=int, default=25_000_000, help="gradient length")
-    ap.add_argument("--density", type=float, default=0.01, help="ρ")
-    ap.add_argument("--teams", type=int, default=1, help="SparDL's d")
-    ap.add_argument("--repeat", type=int, default=10, help="timed rounds per algorithm")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed calls per allreducer")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--n", type=POSITIVE_INT, default=25_000_000, help="gradient length")
+    ap.add_argument("--density", type=DENSITY, default=0.01, help="ρ")
+    ap.add_argument("--teams", type=POSITIVE_INT, default=1, help="SparDL's d (divides P)")
+    ap.add_argument("--repeat", type=POSITIVE_INT, default=10, help="timed rounds per algorithm")
+    ap.add_argument(
+        "--warmup", type=NONNEGATIVE_INT, default=2, help="untimed calls per allreducer"
+    )
+    ap.add_argument("--seed", type=SEED, default=0)
+    ap.add_argument("--json", metavar="PATH", type=output_file, help="write the rows as JSON")
     a = ap.parse_args(argv)
     a.algorithms = [s for s in a.algorithms.split(",") if s]
     bad = [s for s in a.algorithms if s not in SPARSE]
     if bad:
         ap.error(f"unknown or dense algorithm(s) {bad}; sparse ones: {SPARSE}")
+    P = MPI.COMM_WORLD.size
+    if "spardl" in a.algorithms and P % a.teams:
+        ap.error(f"--teams must divide the number of ranks P={P}, got {a.teams}")
     return a
 
 
