@@ -88,30 +88,32 @@ def new_stats() -> dict:
 
 
 class _TimedMPI:
-    """An mpi4py communicator whose every method call adds its wall and thread-CPU seconds to
-    ``clock`` (what :meth:`Comm.start_trace` with ``timed=True`` and :meth:`Comm.mpi_clock` put
-    in place)."""
+    """An mpi4py communicator whose every method call adds its wall and thread-CPU seconds, and
+    one call, to each of ``clocks`` (those running: a timed trace's, :meth:`Comm.mpi_clock`
+    blocks')."""
 
-    __slots__ = ("_comm", "_clock")
+    __slots__ = ("_comm", "_clocks")
 
-    def __init__(self, comm, clock: list):
+    def __init__(self, comm, clocks: tuple):
         self._comm = comm
-        self._clock = clock
+        self._clocks = clocks
 
     def __getattr__(self, name):
         attr = getattr(self._comm, name)
         if not callable(attr):
             return attr
-        clock = self._clock
+        clocks = self._clocks
 
         def timed(*args, **kwargs):
             w0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return attr(*args, **kwargs)
             finally:
-                clock[0] += time.perf_counter() - w0
-                clock[1] += time.thread_time() - c0
-                clock[2] += 1
+                wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
+                for clock in clocks:
+                    clock[0] += wall
+                    clock[1] += cpu
+                    clock[2] += 1
 
         return timed
 
@@ -124,7 +126,16 @@ class _Accounting:
     phase: str = "other"
     trace: list | None = None
     step: int = 0
-    clock: list | None = None  # [wall s, thread CPU s, calls] inside MPI calls, while timed
+    #: The timed trace's clock, [wall s, thread CPU s, calls] inside MPI calls, or None.
+    clock: list | None = None
+    #: The clocks of the :meth:`Comm.mpi_clock` blocks running, innermost last. Each block and
+    #: the trace keep their own list, so that neither starts, stops nor replaces the other's.
+    blocks: list = field(default_factory=list)
+
+    def running_clocks(self) -> tuple:
+        """Every clock that counts MPI calls now: the trace's and each block's."""
+        return (*self.blocks, self.clock) if self.clock is not None else tuple(self.blocks)
+
     #: Whether ``wire="compact"`` messages round values to 16 bits (:func:`pack_wire`); shared,
     #: so that one setting covers every sub-communicator an allreducer splits off (SparDL's
     #: teams).
@@ -676,8 +687,8 @@ class Comm:
         """The wrapped mpi4py communicator, through a timing proxy while a clock runs
         (:meth:`start_trace` with ``timed=True``, :meth:`mpi_clock`): every MPI call of this
         class goes through it, and nothing outside this module reaches mpi4py."""
-        clock = self._acct.clock
-        return self._mpi if clock is None else _TimedMPI(self._mpi, clock)
+        clocks = self._acct.running_clocks()
+        return _TimedMPI(self._mpi, clocks) if clocks else self._mpi
 
     # -- wire buffers -------------------------------------------------------------------------
     # The one place that decides how an array meets MPI; every data method below asks these
@@ -841,21 +852,19 @@ class Comm:
         -----
         Inside a timed trace (:meth:`start_trace` with ``timed=True``) or another
         ``mpi_clock`` block, the outer clock goes on counting these calls too; the yielded
-        list holds the block's share.
+        list holds the block's share. A trace started or stopped inside the block neither
+        stops nor restarts the block's clock, and the block's end leaves the trace's running.
         """
-        acct = self._acct
-        own = acct.clock is None
-        if own:
-            acct.clock = [0.0, 0.0, 0]
-        clock = acct.clock
-        start = list(clock)
+        blocks = self._acct.blocks
+        counting = [0.0, 0.0, 0]
         spent = [0.0, 0.0, 0]
+        blocks.append(counting)
         try:
             yield spent
         finally:
-            spent[:] = [now - then for now, then in zip(clock, start, strict=True)]
-            if own:
-                acct.clock = None
+            # By identity: list.remove compares values, and another block's may be equal.
+            del blocks[next(i for i, b in enumerate(blocks) if b is counting)]
+            spent[:] = counting
 
     def next_step(self) -> None:
         """Advance the step counter used in traces.
@@ -1274,9 +1283,23 @@ class Comm:
         -------
         uint8 array
             Root's bytes: on ``root`` its ``buf``, elsewhere a new host array of that size.
+
+        Raises
+        ------
+        TypeError
+            On every rank, after the size message, if ``buf`` on ``root`` is not a 1-D uint8
+            array (root sends a size of -1 instead, so no rank waits for the second message).
         """
-        size = np.array([0 if buf is None else buf.nbytes], dtype=np.int64)
+        bad = self.rank == root and not (
+            isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1
+        )
+        size = np.array([-1 if bad else (0 if buf is None else buf.nbytes)], dtype=np.int64)
         self.bcast(size, root)
+        if size[0] < 0:
+            raise TypeError(
+                f"bcast_bytes: buf on the root rank {root} must be a 1-D uint8 array"
+                + (f", got {type(buf).__name__}" if bad else "")
+            )
         if self.rank != root:
             buf = np.empty(int(size[0]), dtype=np.uint8)
         return self.bcast(buf, root)

@@ -84,7 +84,40 @@ def test_mpi_clock_counts_the_calls_of_its_block(comm):
     with c.mpi_clock() as idle:
         pass
     assert idle == [0.0, 0.0, 0]
+    # A trace started inside a block: the block's end leaves the trace's clock running, and
+    # the block counts its calls on both sides of the trace's start and stop.
+    with c.mpi_clock() as block:
+        c.barrier()
+        with c.mpi_clock() as empty:  # an inner block equal in value to nothing but itself
+            pass
+        live = c.start_trace(timed=True)
+        c.barrier()
+    c.barrier()
+    c.stop_trace()
+    assert block[2] == 2 and live[2] == 2 and empty == [0.0, 0.0, 0]
+    with c.mpi_clock() as block:
+        c.start_trace(timed=True)
+        c.stop_trace()
+        c.start_trace(timed=False)
+        c.barrier()
+        c.stop_trace()
+    assert block[2] == 1
     sub.free()
+    c.free()
+
+
+def test_bcast_bytes_refuses_a_missing_root_buffer_on_every_rank(comm):
+    """A root without its bytes is a TypeError on every rank, after the size message and
+    before the second, which no rank then waits for; the Comm stays usable."""
+    import pytest
+
+    c = Comm(comm)
+    root = c.size - 1
+    for bad in (None, np.zeros(3, np.float32), np.zeros((2, 2), np.uint8)):
+        with pytest.raises(TypeError, match=f"buf on the root rank {root} must be a 1-D uint8"):
+            c.bcast_bytes(bad if c.rank == root else None, root)
+    got = c.bcast_bytes(np.arange(5, dtype=np.uint8) if c.rank == root else None, root)
+    assert got.tolist() == [0, 1, 2, 3, 4]
     c.free()
 
 
