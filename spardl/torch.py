@@ -459,6 +459,19 @@ def _flat_dtype(dtypes) -> torch.dtype:
     return torch.float32
 
 
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (``expand``: a stride 0), so that it
+    cannot be written in place. Conservative: True unless, with its dimensions ordered by
+    stride, each dimension steps past the whole extent of the ones before it."""
+    extent = 1
+    dims = zip(t.stride(), t.shape, strict=True)
+    for stride, size in sorted((st, sz) for st, sz in dims if sz > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
 def _future(buf: torch.Tensor) -> torch.futures.Future:
     """The future a DDP hook returns for ``buf``, allowed to hold it on its device."""
     return torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
@@ -2231,7 +2244,8 @@ class SparseGradientReducer(_Front):
                 if not used[i] or not p.requires_grad:
                     continue
                 g = flat[o[i] : o[i + 1]].view(p.shape)
-                if p.grad is None:
+                if p.grad is None or _may_overlap(p.grad):
+                    # An expanded .grad (stride 0) cannot hold a gradient: a new one replaces it.
                     p.grad = g.to(p.device, p.dtype, copy=True)
                 else:
                     p.grad.copy_(g)

@@ -120,6 +120,8 @@ def test_reducer_writes_back_exactly_to_dense(checks):
     assert r["same_everywhere"]
     assert r["bytes_sent"] > 0
     assert r["state_has_residual"]
+    assert r["expanded_replaced"]  # an expanded .grad gets a tensor of its own
+    assert r["strided_kept"]  # a strided one is written in place
 
 
 def test_reducer_state_round_trips_through_torch_load_weights_only():

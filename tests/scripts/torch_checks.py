@@ -190,6 +190,12 @@ def reducer_writes_back(world, algorithm):
     for p in model.parameters():
         if p.requires_grad and (p is not no_grad or rank != 0):
             p.grad = torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32))
+    # An expanded gradient (stride 0: one row for all) and a transposed one (strided, written
+    # in place): the first cannot hold the result and is replaced, the second keeps its tensor.
+    expanded, transposed = model[8].weight, model[6].weight
+    expanded.grad = torch.full((1, expanded.shape[1]), float(rank + 1)).expand(expanded.shape)
+    transposed.grad = transposed.grad.t().contiguous().t()
+    kept = transposed.grad
     out = red.reduce()
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
     dense = out.to_dense()
@@ -203,6 +209,8 @@ def reducer_writes_back(world, algorithm):
         "same_everywhere": _same_everywhere(world, grads),
         "bytes_sent": red.stats["bytes_sent"],
         "state_has_residual": red.state_dict()["allreducer"]["residual"] is not None,
+        "expanded_replaced": expanded.grad.stride() != (0, 1),
+        "strided_kept": transposed.grad is kept,
     }
 
 
