@@ -18,6 +18,7 @@ __all__ = [
     "check_int_at_least",
     "check_float",
     "check_bool",
+    "check_choice",
     "check_counter",
     "check_density",
     "is_count",
@@ -46,6 +47,16 @@ def check_bool(name: str, value):
     """
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type_name(value)}")
+    return value
+
+
+def check_choice(name: str, value, choices) -> str:
+    """``value`` when it is one of the strings ``choices``: a TypeError naming ``name`` for a
+    value that is no string, a ValueError listing ``choices`` for another string."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type_name(value)}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     return value
 
 

@@ -50,7 +50,7 @@ from mpi4py import MPI
 from spardl_kernels.cpu import wire as wire_codec
 
 from . import _arrays as A
-from ._checks import check_bool, check_int, type_name
+from ._checks import check_bool, check_choice, check_int, type_name
 
 __all__ = [
     "Comm",
@@ -630,9 +630,7 @@ def wire_capacity(nblocks: int, max_pairs: int, index_dtype, value_dtype, wire="
 def _mpi_op(op: str):
     """The MPI reduction named ``op``; ValueError naming it for another name."""
     ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-    if not isinstance(op, str) or op not in ops:
-        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
-    return ops[op]
+    return ops[check_choice("op", op, tuple(ops))]
 
 
 class Comm:

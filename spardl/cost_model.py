@@ -49,7 +49,14 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ._checks import check_density, check_float, check_int, check_int_at_least, type_name
+from ._checks import (
+    check_choice,
+    check_density,
+    check_float,
+    check_int,
+    check_int_at_least,
+    type_name,
+)
 
 __all__ = [
     "Cost",
@@ -157,16 +164,6 @@ def _check(P, n, k, **options) -> None:
         _check_count(name, value, lo)
 
 
-def _check_choice(name: str, value, choices: tuple) -> str:
-    """``value`` when it is one of the strings ``choices``: TypeError naming ``name`` for a
-    value that is no string, ValueError for another string."""
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a string, got {type_name(value)}")
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    return value
-
-
 def ceil_log2(P: int) -> int:
     """⌈log₂P⌉ (0 for P = 1): rounds of a binomial tree, a Bruck all-gather or SRS.
 
@@ -214,7 +211,7 @@ def collective_rounds(kind: str, P: int) -> int:
     ValueError
         If ``kind`` is unknown or ``P`` < 1.
     """
-    _check_choice("kind", kind, _KINDS)
+    check_choice("kind", kind, _KINDS)
     _check_count("P", P, 1)
     if kind == "p2p":
         return 1
@@ -549,7 +546,7 @@ def spardl(
         raise ValueError(f"d must divide P={P}, got {d}")
     if density is not None:
         density = check_density("density", density)
-    _check_choice("sag_budget", sag_budget, ("start", "max"))
+    check_choice("sag_budget", sag_budget, ("start", "max"))
     if P == 1:
         return _ZERO
     rho = k / n if density is None else density
@@ -790,9 +787,9 @@ def predict(
         divide P for SparDL, ``density`` is not in (0, 1], a rate is negative or not finite,
         ``word_bytes`` is not finite and > 0, or an option is out of range: naming the argument.
     """
-    _check_choice("algorithm", algorithm, tuple(sorted(FORMULAS)))
+    check_choice("algorithm", algorithm, tuple(sorted(FORMULAS)))
     f = FORMULAS[algorithm]
-    _check_choice("wire", wire, ("coo", "compact"))
+    check_choice("wire", wire, ("coo", "compact"))
     _check_rates(alpha, beta, gamma)
     _check_word_bytes(word_bytes)
     _check_count("P", P, 1)

@@ -22,7 +22,7 @@ import numpy as np
 import spardl_kernels as K
 
 from .. import _arrays as A
-from .._checks import check_bool, check_counter, check_density, check_int, malformed
+from .._checks import check_bool, check_choice, check_counter, check_density, check_int, malformed
 from ..comm import WIRES, Comm, name_hash, signature_digest, signature_field
 from ..cost_model import budget as cost_budget
 from ..dtypes import work_dtype as _work_dtype
@@ -373,12 +373,9 @@ class Allreducer:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         check_density("density", density)
-        if op not in OPS:
-            raise ValueError(f"op must be one of {OPS}, got {op!r}")
-        if residual not in RESIDUALS:
-            raise ValueError(f"residual must be one of {RESIDUALS}, got {residual!r}")
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        check_choice("op", op, OPS)
+        check_choice("residual", residual, RESIDUALS)
+        check_choice("nonfinite", nonfinite, NONFINITE)
         check_bool("check", check)
 
     def collective_check(self, err, signature, described) -> None:

@@ -208,6 +208,8 @@ def test_nonfinite_skip_drops_the_step_everywhere(comm, algorithm):
         ({"density": 1.5}, "density"),
         ({"density": "0.1"}, "density"),
         ({"op": "max"}, "op"),
+        ({"op": 1}, "op must be a string"),
+        ({"residual": None}, "residual must be a string"),
         ({"residual": "sometimes"}, "residual"),
         ({"nonfinite": "ignore"}, "nonfinite"),
         ({"nonfinite": "skip"}, "nonfinite"),  # valid, but not what the other ranks said
