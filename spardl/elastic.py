@@ -528,6 +528,7 @@ def gather_state(obj, root: int | None = 0) -> dict | None:
     _kind(obj)
     comm = _control(obj)
     _agree_on_save(comm, obj, "gather_state", root, none=True)
+    header = _header(obj, comm.size)  # on every rank: no rank may fail alone after a message
     state = _local_state(obj)
     if root is None:
         states = comm.allgather_object(state, control=False)
@@ -535,7 +536,7 @@ def gather_state(obj, root: int | None = 0) -> dict | None:
         states = comm.gather_object(state, root)
         if comm.rank != root:
             return None
-    return {**_header(obj, comm.size), "states": list(states)}
+    return {**header, "states": list(states)}
 
 
 def load_gathered_state(obj, gathered: dict | None, root: int | None = 0) -> None:
@@ -703,6 +704,7 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
     _kind(obj)
     comm = _control(obj)
     _agree_on_save(comm, obj, "save_checkpoint", root, none=False, path=path)
+    header = _header(obj, comm.size)  # on every rank: no rank may fail alone after a message
     state = _local_state(obj)
     err = None
     if comm.rank == root:
@@ -711,7 +713,7 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
         zf = None
         try:
             zf = zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
-            zf.writestr("header.json", json.dumps(_header(obj, comm.size)))
+            zf.writestr("header.json", json.dumps(header))
             _write_state(zf, root, state)
         except (OSError, TypeError, ValueError) as e:
             err = e

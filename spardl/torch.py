@@ -1248,6 +1248,11 @@ class _Buckets:
     def sparse(self):
         return None  # one allreducer per bucket: see ``cores``
 
+    @property
+    def n(self) -> int:
+        """Elements reduced per iteration: the buckets' together (0 before the first)."""
+        return sum(core.n for core in self.cores.values())
+
     # -- the communication thread -----------------------------------------------------------
     def submit(self, work, fut) -> None:
         """Run ``work()`` on the communication thread after the jobs before it; its result or

@@ -47,6 +47,9 @@ def test_overlap_at_one_percent_trains_in_sync(checks):
     dense_bytes = 78 * 2 * r["n_params"] * 4 // 2  # 78 dense allreduces, 2·n·4·(P−1)/P each
     assert r["bytes_sent"] < 0.2 * dense_bytes
     assert r["residual_keys"] == [f"#{i}" for i in range(8)]  # by parameter
+    # Elastic checkpoints of an overlap-mode state: its header's n is the buckets' together.
+    assert r["gathered_n"] == r["n_params"] and r["gathered_ranks"] == 2
+    assert r["loaded_step"] == 80
 
 
 @pytest.mark.mpi

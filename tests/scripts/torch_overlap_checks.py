@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from fake_bucket import FakeBucket
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch_checks import _same_everywhere, build_model_like, rank_batches
 
+from spardl import elastic
 from spardl.cli import run_collective
 from spardl.torch import SparseHookState, init_process_group_from_mpi, sparse_allreduce_hook
 from spardl.train import build_model
@@ -78,6 +81,17 @@ def sparse_trains(world):
         losses.append(loss.item())
     mean_losses = world.allreduce(np.array(losses)) / world.Get_size()
     params = torch.cat([p.detach().flatten() for p in net.parameters()])
+    # Elastic checkpoints of an overlap-mode state: gathered, saved and loaded on every rank.
+    gathered = elastic.gather_state(state, root=None)
+    folder = world.bcast(tempfile.mkdtemp() if rank == 0 else None, root=0)
+    path = os.path.join(folder, "overlap.zip")
+    elastic.save_checkpoint(state, path)
+    fresh = SparseHookState(world, "spardl", warmup_steps=2, density=0.01, overlap=True)
+    elastic.load_checkpoint(fresh, path)
+    world.Barrier()
+    if rank == 0:
+        os.remove(path)
+        os.rmdir(folder)
     return {
         "first_loss": float(mean_losses[:10].mean()),
         "last_loss": float(mean_losses[-10:].mean()),
@@ -87,6 +101,9 @@ def sparse_trains(world):
         "bytes_sent": state.stats["bytes_sent"],
         "same_everywhere": _same_everywhere(world, params),
         "residual_keys": sorted(state.residuals()),
+        "gathered_n": gathered["n"],
+        "gathered_ranks": len(gathered["states"]),
+        "loaded_step": fresh.step,
     }
 
 
