@@ -2136,6 +2136,8 @@ class SparseGradientReducer(_Front):
             err, named, frozen, self._warmup, tech = e, [], [], 0, None
         self.params = [p for _, p in named]
         self.names = [k for k, _ in named]
+        # The layout the flat buffer was built for: a parameter resized or cast later is refused.
+        self._dtypes = [p.dtype for p in self.params]
         # Frozen when it was built: a gradient there later is reduced by no rank (an error).
         self._frozen = frozen
         self.n = int(sum(p.numel() for p in self.params))
@@ -2182,12 +2184,14 @@ class SparseGradientReducer(_Front):
         ------
         TypeError
             On every rank, before the allreduce, if a rank holds a sparse gradient or one whose
-            dtype is not its parameter's (set through ``.data``); it names the parameter.
+            dtype is not its parameter's (set through ``.data``), or a parameter cast to another
+            dtype since the reducer was built; it names the parameter.
         ValueError
-            On every rank, if a rank's gradient does not have its parameter's shape, a parameter
-            is frozen on some ranks and not on others, one that was frozen when the reducer was
-            built has a gradient, or a rank calls reduce() again with no gradient changed since
-            the last one (no backward pass in between).
+            On every rank, if a rank's gradient does not have its parameter's shape, a
+            parameter's number of elements changed since the reducer was built (set through
+            ``.data``), a parameter is frozen on some ranks and not on others, one that was
+            frozen when the reducer was built has a gradient, or a rank calls reduce() again
+            with no gradient changed since the last one (no backward pass in between).
         spardl.NonFiniteError
             On every rank, with ``nonfinite="raise"`` (the default), if the reduced gradient
             holds NaN or Inf. Nothing of the step is applied (residuals, velocities and
@@ -2207,6 +2211,8 @@ class SparseGradientReducer(_Front):
                 if not p.requires_grad:
                     # Counted in units of P + 1 beside the ranks that used it (at most P).
                     local[1 + i] = P + 1
+                if err is None:
+                    err = self._layout_error(i, p)
                 if g is not None and err is None:
                     if g.layout != torch.strided:
                         err = TypeError(
@@ -2261,6 +2267,22 @@ class SparseGradientReducer(_Front):
             ]
         self.last_result = out
         return out
+
+    def _layout_error(self, i: int, p) -> Exception | None:
+        """The error for parameter ``i`` resized or cast since the reducer was built (its flat
+        buffer's slice and dtype were fixed then), else None."""
+        built = self._offsets[i + 1] - self._offsets[i]
+        if p.numel() != built:
+            return ValueError(
+                f"parameter {self.names[i]} has {p.numel()} elements, {built} when the "
+                "SparseGradientReducer was built: build a new one for the resized model"
+            )
+        if p.dtype != self._dtypes[i]:
+            return TypeError(
+                f"parameter {self.names[i]} is {p.dtype}, {self._dtypes[i]} when the "
+                "SparseGradientReducer was built: build a new one after casting the model"
+            )
+        return None
 
     def _again_error(self):
         """A ValueError if no gradient changed since the last reduce() wrote them (the same

@@ -266,6 +266,24 @@ def test_sparse_gradient_is_a_type_error_on_every_rank(checks, algorithm):
 
 
 @pytest.mark.mpi
+def test_a_parameter_resized_or_cast_after_the_reducer_was_built_is_refused_everywhere(checks):
+    """The flat buffer's slices and dtype are fixed when the reducer is built: a parameter
+    resized (``.data``) or a model cast (``.double()``) later, on one rank or on all, is an
+    error naming the parameter on every rank instead of a hang, a raw RuntimeError or a
+    float64 gradient reduced in float32."""
+    got = checks["edge_cases"]["changed_layout"]
+    for case, exc, words in (
+        ("resize", "ValueError", "parameter weight has 12 elements, 8 when"),
+        ("cast", "TypeError", "is torch.float64, torch.float32 when"),
+    ):
+        for where in ("one", "all"):
+            outcomes = got[f"{case}_{where}"]
+            assert len(outcomes) == 2
+            for kind, msg in outcomes:
+                assert kind == exc and words in msg, (case, where, msg)
+
+
+@pytest.mark.mpi
 def test_a_model_that_ddp_does_not_wrap_is_a_value_error_on_every_rank(checks):
     """SparseHookState(model=another module): the parameters DDP reduces are not its, so its
     names would key nothing; both hook modes refuse it on every rank."""

@@ -460,6 +460,33 @@ def sparse_gradients(world, algorithm):
     return {"reducer": _outcome(world, reducer_step), "hook": _outcome(world, hook_step)}
 
 
+def changed_layout(world):
+    """A parameter resized or cast after the reducer was built (on one rank, or on every
+    rank): a ValueError / TypeError naming it on every rank, before the allreduce."""
+    rank = world.Get_rank()
+
+    def step(change, on):
+        torch.manual_seed(5)
+        m = torch.nn.Linear(4, 2)
+        red = SparseGradientReducer(m.named_parameters(), world, "spardl", density=0.5)
+        m(torch.ones(3, 4)).sum().backward()
+        red.reduce()
+        if rank in on:
+            if change == "resize":
+                m.weight.data = torch.randn(3, 4)
+            else:
+                m.double()
+        for p in m.parameters():  # a backward of its own (the resized model has none)
+            p.grad = torch.ones_like(p)
+        red.reduce()
+
+    return {
+        f"{change}_{where}": _outcome(world, lambda c=change, o=on: step(c, o))
+        for change in ("resize", "cast")
+        for where, on in (("one", (world.Get_size() - 1,)), ("all", range(world.Get_size())))
+    }
+
+
 def foreign_model(world):
     """Edge case 8: ``model=`` a module DDP does not wrap: a ValueError on every rank, in both
     hook modes, instead of checkpoints silently keyed by position."""
@@ -610,7 +637,11 @@ def trains_on_after_an_error(world, algorithm):
 
 def edge_case_checks(world):
     torch.manual_seed(0)
-    out = {"launch_mismatch": launch_mismatch(world), "foreign_model": foreign_model(world)}
+    out = {
+        "launch_mismatch": launch_mismatch(world),
+        "foreign_model": foreign_model(world),
+        "changed_layout": changed_layout(world),
+    }
     for algorithm in SPARSE_ALGORITHMS:
         out[algorithm] = {
             "resume": hook_resume(world, algorithm),
