@@ -31,6 +31,7 @@ import numpy as np
 
 from .cli.common import (
     DENSITY,
+    LEARNING_RATE,
     MOMENTUM,
     NONNEGATIVE_INT,
     POSITIVE_FLOAT,
@@ -76,7 +77,7 @@ _RANGED = {
     "teams": POSITIVE_INT,
     "epochs": POSITIVE_INT,
     "batch_size": POSITIVE_INT,
-    "lr": POSITIVE_FLOAT,
+    "lr": LEARNING_RATE,
     "momentum": MOMENTUM,
     "width": POSITIVE_INT,
     "warmup_steps": NONNEGATIVE_INT,

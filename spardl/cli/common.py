@@ -20,6 +20,7 @@ __all__ = [
     "NONNEGATIVE_INT",
     "SEED",
     "POSITIVE_FLOAT",
+    "LEARNING_RATE",
     "MOMENTUM",
     "launcher_rank",
     "Parser",
@@ -61,6 +62,10 @@ NONNEGATIVE_INT = option_type(int, lambda v: v >= 0, "an integer >= 0")
 SEED = option_type(int, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
 POSITIVE_FLOAT = option_type(float, lambda v: v > 0 and math.isfinite(v), "a finite number > 0")
 MOMENTUM = option_type(float, lambda v: 0 <= v < 1, "a momentum in [0, 1)")
+# A step size: torch's optimizers multiply float32 parameters by it, so it must be one.
+LEARNING_RATE = option_type(
+    float, lambda v: 0 < v <= 3.4028234663852886e38, "a number in (0, 3.4e38] (float32's range)"
+)
 
 
 def launcher_rank() -> int | None:
