@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -136,10 +137,14 @@ def _cmd_run(args) -> int:
         command = command[1:]
     if not command:
         return _error("no command given (spardl cluster run --nodes N -- COMMAND [ARGS...])")
-    if args.report is not None:
-        folder = args.report.resolve().parent
+    if args.report is not None:  # checked before the nodes exist and the command runs
+        report, folder = args.report, args.report.resolve().parent
         if not folder.is_dir():
             return _error(f"--report: folder {folder} does not exist")
+        if report.is_dir():
+            return _error(f"--report: {report} is a directory; give a file name")
+        if not os.access(report if report.exists() else folder, os.W_OK):
+            return _error(f"--report: cannot write {report}")
     problem = check_quick()
     if problem:
         return _error(problem)
@@ -172,18 +177,24 @@ def _cmd_run(args) -> int:
                 f"received {c['rx_bytes'] / 1e6:.3f} MB",
                 file=sys.stderr,
             )
+    status = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     if args.report is not None:
-        args.report.write_text(
-            json.dumps(
-                {
-                    "nodes": args.nodes,
-                    "ranks_per_node": args.ranks_per_node,
-                    "bandwidth": args.bandwidth,
-                    "command": command,
-                    "returncode": proc.returncode,
-                    "links": counters,
-                },
-                indent=1,
-            )
-        )
-    return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        try:
+            _write_report(args, command, proc.returncode, counters)
+        except OSError as e:  # the folder removed or filled while the command ran
+            print(f"spardl cluster: --report: {e}", file=sys.stderr, flush=True)
+            return status or 1
+    return status
+
+
+def _write_report(args, command, returncode, counters) -> None:
+    """``--report``: the layout, the command, its status and each link's counters, as JSON."""
+    report = {
+        "nodes": args.nodes,
+        "ranks_per_node": args.ranks_per_node,
+        "bandwidth": args.bandwidth,
+        "command": command,
+        "returncode": returncode,
+        "links": counters,
+    }
+    args.report.write_text(json.dumps(report, indent=1))
