@@ -130,6 +130,14 @@ def _kind(obj) -> str:
     )
 
 
+def _open_kind(obj) -> str:
+    """:func:`_kind`, and the ValueError of a closed object (whose communicators are freed)
+    before any message."""
+    kind = _kind(obj)
+    obj._check_open()
+    return kind
+
+
 def _control(obj) -> Comm:
     """The communicator whose ranks load together (its messages are not the algorithm's)."""
     return obj.comm if isinstance(obj, Allreducer) else obj._core.ctl
@@ -424,7 +432,7 @@ def load_rank_states(obj, states: dict, world_size: int) -> None:
     see the module docstring: residuals (and velocities) folded, everything that depends on P
     derived afresh, thresholds re-estimated at the next step.
     """
-    _kind(obj)
+    _open_kind(obj)
     _load(obj, states, world_size, None)
 
 
@@ -525,7 +533,7 @@ def gather_state(obj, root: int | None = 0) -> dict | None:
         On every rank, if ``root`` is neither None nor a rank, or the ranks are not all in
         this gather with the same root.
     """
-    _kind(obj)
+    _open_kind(obj)
     comm = _control(obj)
     _agree_on_save(comm, obj, "gather_state", root, none=True)
     header = _header(obj, comm.size)  # on every rank: no rank may fail alone after a message
@@ -562,7 +570,7 @@ def load_gathered_state(obj, gathered: dict | None, root: int | None = 0) -> Non
         On every rank, as :func:`load_rank_states`, and if ``gathered`` is not a gathered state
         or was saved with another algorithm, kind of object or (an allreducer) n.
     """
-    _kind(obj)
+    _open_kind(obj)
     comm = _control(obj)
     Pn = comm.size
 
@@ -701,7 +709,7 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
     ``rank{r}/{i}.npy`` (its arrays: residual, velocities, Ok-Topk's regions). No pickle: it
     loads without running code from the file.
     """
-    _kind(obj)
+    _open_kind(obj)
     comm = _control(obj)
     _agree_on_save(comm, obj, "save_checkpoint", root, none=False, path=path)
     header = _header(obj, comm.size)  # on every rank: no rank may fail alone after a message
@@ -772,7 +780,7 @@ def load_checkpoint(obj, path) -> None:
         the file or it is not an elastic checkpoint, or was saved with another algorithm, kind
         of object or (an allreducer) n.
     """
-    _kind(obj)
+    _open_kind(obj)
     comm = _control(obj)
     err, P, states = None, 1, {}
     try:

@@ -1572,8 +1572,9 @@ class _Front:
         ValueError
             On every rank, if some rank's state misses a key, was saved with another algorithm
             or world size, or holds residuals of parameters that are not reduced here (or of
-            another size).
+            another size), or this object is closed.
         """
+        self._check_open()
         self._core.load_state_dict(state)
 
 

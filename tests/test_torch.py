@@ -175,10 +175,16 @@ def test_close_frees_the_reducers_and_hook_states_communicators():
     assert all(c._mpi == MPI.COMM_NULL for c in comms)
     with pytest.raises(ValueError, match="closed"):
         red.reduce()
+    with pytest.raises(ValueError, match="SparseGradientReducer is closed"):
+        red.load_state_dict(red.state_dict())  # not MPI's "Invalid communicator"
     state = st.SparseHookState(MPI.COMM_SELF, algorithm="spardl", density=0.5)
     state.close()
     state.close()  # idempotent
     assert state._core.comm._mpi == MPI.COMM_NULL
+    from spardl import elastic
+
+    with pytest.raises(ValueError, match="SparseHookState is closed"):
+        elastic.gather_state(state)
 
 
 def test_auto_through_the_reducer_and_the_hook_state():

@@ -757,6 +757,7 @@ class Auto(Allreducer):
         applied now, the candidate built if it is not yet (collective), so that a state it
         refuses on some rank (e.g. SparDL's h outside its range on one block's owners) raises
         here on every rank, and every rank keeps its state as it was."""
+        self._check_open()
         saved = self._snapshot()
         super().load_state_dict(state)
         if self._choice in self._pending:  # on every rank alike: the load compared it

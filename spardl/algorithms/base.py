@@ -759,8 +759,9 @@ class Allreducer:
             residual (unless ``nonfinite="propagate"``), or the ranks' states disagree on the
             step, the call count, the density or what the algorithm's messages depend on
             (:meth:`_state_signature`: Ok-Topk's regions and global threshold, SparDL's h),
-            or some rank is not in this load (stepping, say).
+            or some rank is not in this load (stepping, say), or the allreducer is closed.
         """
+        self._check_open()
         saved = self._snapshot()
         err = None
         try:

@@ -61,6 +61,22 @@ def test_closed_allreducer_raises_and_keeps_its_state(comm):
         ar.set_density(0.5)
     state = ar.state_dict()
     assert state["step"] == 1 and state["residual"].shape == (32,)
+    # Loading, gathering and checkpointing need the freed communicators: refused alike,
+    # before any message (each rank closed its own).
+    from spardl import elastic
+
+    with pytest.raises(ValueError, match="closed"):
+        ar.load_state_dict(state)
+    with pytest.raises(ValueError, match="closed"):
+        elastic.gather_state(ar)
+    with pytest.raises(ValueError, match="closed"):
+        elastic.save_checkpoint(ar, "never-written.zip")
+    with pytest.raises(ValueError, match="closed"):
+        elastic.load_gathered_state(ar, None)
+    auto = spardl.make("auto", comm, 32, density=0.125)
+    auto.close()
+    with pytest.raises(ValueError, match="closed"):
+        auto.load_state_dict(auto.state_dict())
 
 
 def test_auto_closes_every_candidate_it_built(comm):
