@@ -128,7 +128,10 @@ class Cost:
         """
         _check_rates(alpha, beta, gamma)
         _check_word_bytes(word_bytes)
-        return self.rounds * alpha + self.path_words * word_bytes * (beta + gamma)
+        # Term by term: β + γ may overflow for huge finite rates, and 0·inf would be NaN
+        # where nothing is sent (P = 1).
+        path_bytes = self.path_words * word_bytes
+        return self.rounds * alpha + path_bytes * beta + path_bytes * gamma
 
 
 def _cost(messages, words, rounds=None, path_words=None) -> Cost:
@@ -643,7 +646,7 @@ def oktopk(
     return _cost(msgs, words, rounds=rounds)
 
 
-def compact_pair_bytes(density: float) -> float:
+def compact_pair_bytes(density: float, value_bytes: float = 4.0) -> float:
     """Expected bytes of one (index, value) pair in the compact wire format.
 
     Parameters
@@ -652,14 +655,18 @@ def compact_pair_bytes(density: float) -> float:
         ρ in (0, 1]: the fraction of a block's coordinates the message holds, taken as spread
         uniformly at random, so that the gaps between indices are geometric:
         P(gap ≥ t) = (1 − ρ)^t.
+    value_bytes : float, default 4.0
+        Bytes of an unrounded value (4: float32; 8: float64): what a value costs at ρ = 1,
+        where an allreducer sends values unrounded (its output must be the exact mean).
 
     Returns
     -------
     float
-        2 (a 16-bit value) plus the cheapest index coding's expected bytes: a ladder gap
-        starting at 1, 2 or 4 bytes (w bytes, and the next width again past each escape
-        2^(8w) − 1), or a bitmap (1/(8ρ) bytes per pair); 0 index bytes at ρ = 1 (a full block).
-        Block headers (a few bytes per block) are left out, as everywhere in this model.
+        Below ρ = 1, 2 (a 16-bit value) plus the cheapest index coding's expected bytes: a
+        ladder gap starting at 1, 2 or 4 bytes (w bytes, and the next width again past each
+        escape 2^(8w) − 1), or a bitmap (1/(8ρ) bytes per pair). At ρ = 1, ``value_bytes``
+        alone (a full block has no index bytes). Block headers (a few bytes per block) are left
+        out, as everywhere in this model.
 
     Notes
     -----
@@ -669,12 +676,13 @@ def compact_pair_bytes(density: float) -> float:
     Raises
     ------
     ValueError, TypeError
-        If ``density`` is not in (0, 1].
+        If ``density`` is not in (0, 1], or ``value_bytes`` is not a finite number > 0.
     """
     budget(density, 1)  # the range check
+    _check_positive("value_bytes", value_bytes)
     rho = float(density)
     if rho >= 1.0:
-        return 2.0
+        return float(value_bytes)
 
     def tail(t):  # P(gap >= t)
         return math.exp(t * math.log1p(-rho))
@@ -736,6 +744,7 @@ def predict(
     word_bytes: int = 4,
     gamma: float = 0.0,
     wire: str = "coo",
+    value_bytes: float = 4.0,
     **options,
 ) -> dict:
     """The α-β(-γ) cost of one step of ``algorithm`` on P ranks, from its closed form.
@@ -765,6 +774,9 @@ def predict(
         :func:`compact_pair_bytes` (density)/2 bytes instead of ``word_bytes`` and adds the
         size messages of variable-size buffers (module docstring). An estimate: the index
         bytes depend on how the selected coordinates spread.
+    value_bytes : float, default 4.0
+        With ``wire="compact"`` at density 1, the bytes of a value, sent unrounded (4: float32,
+        8: float64); finite, > 0.
     **options
         Passed to the formula (``threshold_interval``, ``region_interval``, ``step`` for
         Ok-Topk).
@@ -803,7 +815,7 @@ def predict(
         c = f(P, n, k, **options)
     if wire == "compact" and algorithm != "dense":
         c = _compact_messages(algorithm, P, c)
-        word_bytes = compact_pair_bytes(density) / 2
+        word_bytes = compact_pair_bytes(density, value_bytes) / 2
     return {
         "messages": c.messages,
         "words": c.words,
@@ -823,9 +835,14 @@ def _check_rates(alpha, beta, gamma) -> None:
 
 def _check_word_bytes(word_bytes) -> None:
     """Bytes per word: a real number (a Python one, not a bool), finite and > 0."""
-    check_float("word_bytes", word_bytes, numpy=False)
-    if not 0 < word_bytes < math.inf:
-        raise ValueError(f"word_bytes must be a finite number > 0, got {word_bytes!r}")
+    _check_positive("word_bytes", word_bytes)
+
+
+def _check_positive(name: str, value) -> None:
+    """A size in bytes: a real number (a Python one, not a bool), finite and > 0."""
+    check_float(name, value, numpy=False)
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 _FIELDS = ("step", "phase", "kind", "peer", "bytes")

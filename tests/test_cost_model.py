@@ -331,3 +331,12 @@ def test_a_refused_density_is_shown_in_its_own_precision():
         check_density("rho", 10**400)
     with pytest.raises(ValueError, match=r"got 1\.5$"):
         check_density("rho", 1.5)
+
+
+@pytest.mark.parametrize("algorithm", sorted(cm.FORMULAS))
+def test_one_rank_costs_nothing_even_at_the_largest_finite_rates(algorithm):
+    """P = 1 sends nothing: 0 seconds, never 0·inf = NaN where β + γ overflows."""
+    huge = {"alpha": 1e308, "beta": 1e308, "gamma": 1e308}
+    got = cm.predict(algorithm, 1, 10, 1.0, **huge)
+    assert got["seconds"] == 0.0 and got["bytes"] == 0.0
+    assert cm.predict(algorithm, 2, 10, 1.0, **huge)["seconds"] == math.inf

@@ -225,9 +225,16 @@ def test_cost_model_prices_compact_pairs_as_encoded():
     """cost_model.compact_pair_bytes is what the encoder spends on uniformly spread indices."""
     from spardl import cost_model as cm
 
-    assert cm.compact_pair_bytes(1.0) == 2.0
     rng = np.random.default_rng(1)
     n = 400_000
+    # At ρ = 1 an allreducer sends values unrounded (quantise off): a full block, no indices.
+    for dtype in (np.float32, np.float64):
+        full, _ = W.encode_blocks(
+            np.arange(n), rng.standard_normal(n).astype(dtype), [n], quantise=False
+        )
+        size = np.dtype(dtype).itemsize
+        assert cm.compact_pair_bytes(1.0, size) == size
+        assert abs(len(full) / n - size) < 0.01 * size
     for rho in (0.3, 0.05, 0.01, 0.002):
         k = int(rho * n)
         idx = np.sort(rng.choice(n, k, replace=False))

@@ -545,6 +545,7 @@ class Auto(Allreducer):
             beta=self.beta,
             word_bytes=dense_wb if c.algorithm == "dense" else sparse_wb,
             wire=self.wire,
+            value_bytes=dense_wb,  # a value of the work dtype: unrounded at density 1
         )["seconds"]
 
     def _estimates(self) -> list[list[float]]:
