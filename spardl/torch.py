@@ -1721,6 +1721,9 @@ class SparseHookState(_Front):
         self._index = None  # parameter id -> position (keys of unnamed parameters)
         self._errors = []  # overlap mode: this iteration's errors, from the communication thread
         self._inflight = []
+        self._order = None  # the flat layout's parameters, from the first iteration
+        self._order_ids = set()
+        self._refused = None  # an iteration's end that cannot be known: refused for good
         self._checked = False
         if model is not None:
             inner = getattr(model, "module", model)
@@ -1812,10 +1815,33 @@ class SparseHookState(_Front):
         if not self._checked:
             self._check_group()
         fut = _future(bucket.buffer())
-        self._inflight.append((bucket.buffer(), list(bucket.parameters()), fut))
-        if not bucket.is_last():
+        if self._refused is not None:  # see below: every later bucket is given back as zeros
+            bucket.buffer().zero_()
+            fut.set_result(bucket.buffer())
+            _raise_after_backward(self._refused)
             return fut
-        inflight, self._inflight = self._inflight, []
+        index = bucket.index()
+        repeated = any(i == index for i, _, _, _ in self._inflight)
+        self._inflight.append((index, bucket.buffer(), list(bucket.parameters()), fut))
+        if not (bucket.is_last() or self._covered()):
+            if repeated and self._expected() is None:
+                # DDP numbers two buckets of one iteration alike (its delayed first iteration
+                # under static_graph=True with several dtypes), and is_last() never comes: the
+                # end of the iteration is known only from the parameters (model=).
+                self._refused = ValueError(
+                    f"DDP handed over two buckets numbered {index} in one iteration (its first "
+                    "iteration under static_graph=True with parameters of several dtypes), so "
+                    "the hook cannot tell when the iteration ends: pass model= to "
+                    "SparseHookState (then the parameters tell)"
+                )
+                inflight, self._inflight = self._inflight, []
+                for _, buf, _, f in inflight:
+                    buf.zero_()
+                    f.set_result(buf)
+                _raise_after_backward(self._refused)
+            return fut
+        inflight = [(buf, params, f) for _, buf, params, f in self._inflight]
+        self._inflight = []
         try:
             self._reduce(inflight)
         except Exception as e:  # noqa: BLE001 - raised once DDP has finished the backward
@@ -1827,6 +1853,24 @@ class SparseHookState(_Front):
         for buf, _, f in inflight:
             f.set_result(buf)
         return fut
+
+    def _expected(self) -> set | None:
+        """The ids of the parameters every iteration's buckets hold together: the layout's once
+        it is set, else those of ``model=`` (the trainable ones); None when not yet known."""
+        if self._order is not None:
+            return self._order_ids
+        if self._params is not None:
+            return {id(p) for p in self._params}
+        return None
+
+    def _covered(self) -> bool:
+        """Whether this iteration's buckets so far hold every expected parameter: the end of
+        the iteration, where DDP's is_last() does not say so."""
+        expected = self._expected()
+        if expected is None:
+            return False
+        seen = {id(p) for _, _, params, _ in self._inflight for p in params}
+        return expected <= seen
 
     def _bucket_overlap(self, bucket):
         """Overlap mode: what the bucket's reduction needs, taken now (on the autograd thread);
@@ -1941,6 +1985,7 @@ class SparseHookState(_Front):
         order = [p for p in self._params if id(p) in ids] if self._params else []
         order += [p for p in params if id(p) not in {id(q) for q in order}]
         self._order = order
+        self._order_ids = {id(p) for p in order}
         self._index = {id(p): i for i, p in enumerate(order)}
         keys = [self._name(p, i) for i, p in enumerate(order)]
         dtype = _flat_dtype(p.dtype for p in order)

@@ -290,6 +290,19 @@ def test_a_parameter_resized_or_cast_after_the_reducer_was_built_is_refused_ever
 
 
 @pytest.mark.mpi
+def test_static_graph_over_two_dtypes_ends_its_first_iteration_or_says_why(checks):
+    """DDP(static_graph=True) over float32 and float64 layers hands over both buckets of its
+    first iteration as number 0, never is_last(): with model= the parameters end the
+    iteration (density 1: DDP's own training, to rounding); without it a ValueError on every
+    rank that asks for model=, never a hang."""
+    r = checks["edge_cases"]["static_graph_mixed"]
+    assert r["moved"] > 1e-3 and r["max_abs_diff"] < 1e-6
+    assert len(r["without_model"]) == 2
+    for kind, msg in r["without_model"]:
+        assert kind == "ValueError" and "pass model= to SparseHookState" in msg, msg
+
+
+@pytest.mark.mpi
 def test_a_model_that_ddp_does_not_wrap_is_a_value_error_on_every_rank(checks):
     """SparseHookState(model=another module): the parameters DDP reduces are not its, so its
     names would key nothing; both hook modes refuse it on every rank."""

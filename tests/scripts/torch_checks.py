@@ -487,6 +487,55 @@ def changed_layout(world):
     }
 
 
+class _MixedDtypes(torch.nn.Module):
+    """A float32 layer, then a float64 one: DDP makes a bucket per dtype."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4).double()
+
+    def forward(self, x):
+        return self.b(self.a(x).double()).sum()
+
+
+def static_graph_mixed(world):
+    """DDP(static_graph=True) over two dtypes numbers both buckets of its (delayed) first
+    iteration 0 and never says is_last(): with model= the hook ends the iteration when every
+    parameter has come, and at density 1 trains as DDP's own allreduce does; without it, a
+    ValueError on every rank instead of a hang."""
+    rank = world.Get_rank()
+    xs = [
+        torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + rank)) for s in range(3)
+    ]
+
+    def train(hooked, with_model):
+        net = _MixedDtypes()
+        ddp = DDP(net, static_graph=True)
+        if hooked:
+            model = net if with_model else None
+            st = SparseHookState(world, "spardl", warmup_steps=1, density=1.0, model=model)
+            ddp.register_comm_hook(st, sparse_allreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for x in xs:
+            opt.zero_grad()
+            ddp(x).backward()
+            opt.step()
+        return torch.cat([p.detach().double().flatten() for p in net.parameters()])
+
+    ref, got = train(False, False), train(True, True)
+    return {
+        "max_abs_diff": float((ref - got).abs().max()),
+        "moved": float(
+            (ref - torch.cat([p.detach().double().flatten() for p in _MixedDtypes().parameters()]))
+            .abs()
+            .max()
+        ),
+        "without_model": _outcome(world, lambda: train(True, False)),
+    }
+
+
 def foreign_model(world):
     """Edge case 8: ``model=`` a module DDP does not wrap: a ValueError on every rank, in both
     hook modes, instead of checkpoints silently keyed by position."""
@@ -641,6 +690,7 @@ def edge_case_checks(world):
         "launch_mismatch": launch_mismatch(world),
         "foreign_model": foreign_model(world),
         "changed_layout": changed_layout(world),
+        "static_graph_mixed": static_graph_mixed(world),
     }
     for algorithm in SPARSE_ALGORITHMS:
         out[algorithm] = {
