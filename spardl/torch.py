@@ -1724,6 +1724,8 @@ class SparseHookState(_Front):
         self._order = None  # the flat layout's parameters, from the first iteration
         self._order_ids = set()
         self._refused = None  # an iteration's end that cannot be known: refused for good
+        self._first_done = False  # overlap mode: an iteration has ended (its buckets are known)
+        self._strangers = set()  # overlap mode: ids of parameters refused as another model's
         self._checked = False
         if model is not None:
             inner = getattr(model, "module", model)
@@ -1888,6 +1890,15 @@ class SparseHookState(_Front):
         if self._index is None:
             self._index = {id(p): i for i, p in enumerate(self._params or [])}
             self._track([])
+        unknown = [p for p in params if id(p) not in self._index or id(p) in self._strangers]
+        if unknown and self._first_done and err is None:
+            self._strangers.update(id(p) for p in unknown)  # refused at every later iteration
+            # Every bucket holds all its parameters on every iteration, so a parameter first
+            # seen after the first iteration belongs to another model sharing this state.
+            err = ValueError(
+                f"parameter {self._name(unknown[0])} is in DDP's buckets but was not at the "
+                "first iteration (one SparseHookState serves one DDP model)"
+            )
         new = [p for p in params if id(p) not in self._used or id(p) not in self._index]
         for p in new:
             self._index.setdefault(id(p), len(self._index))
@@ -1921,6 +1932,7 @@ class SparseHookState(_Front):
 
         self._core.submit(work, fut)
         if bucket.is_last():
+            self._first_done = True
             # Backward has computed every bucket: wait for the last reductions here (DDP would
             # wait right after), so that an error raises from backward with its own type, on
             # every rank.

@@ -303,6 +303,20 @@ def test_static_graph_over_two_dtypes_ends_its_first_iteration_or_says_why(check
 
 
 @pytest.mark.mpi
+def test_a_hook_state_shared_by_a_second_model_refuses_it_on_every_rank(checks):
+    """Without model=, a SparseHookState registered on a second DDP model: each of that
+    model's iterations is a ValueError on every rank, in both modes; the first model's
+    iterations before and after run."""
+    for mode, steps in checks["edge_cases"]["shared_state"].items():
+        kinds = [[kind for kind, _ in outcomes] for outcomes in steps]
+        ok, refused = ["ok", "ok"], ["ValueError", "ValueError"]
+        assert kinds == [ok, ok, refused, refused, ok], (mode, steps)
+        for outcomes in steps[2:4]:
+            for _, msg in outcomes:
+                assert "is in DDP's buckets but was not at the first iteration" in msg, msg
+
+
+@pytest.mark.mpi
 def test_a_model_that_ddp_does_not_wrap_is_a_value_error_on_every_rank(checks):
     """SparseHookState(model=another module): the parameters DDP reduces are not its, so its
     names would key nothing; both hook modes refuse it on every rank."""

@@ -560,6 +560,29 @@ def foreign_model(world):
     }
 
 
+def shared_state(world):
+    """One SparseHookState without model= registered on a second DDP model after the first
+    one's iterations: the second model's parameters are refused on every rank at each of its
+    iterations, in both hook modes (the first model then trains on)."""
+
+    def run(overlap):
+        torch.manual_seed(7)
+        nets = [DDP(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)))]
+        nets.append(DDP(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))))
+        st = SparseHookState(world, "spardl", warmup_steps=0, density=0.5, overlap=overlap)
+        outcomes = []
+        try:
+            for net in nets:
+                net.register_comm_hook(st, sparse_allreduce_hook)
+            for net in (nets[0], nets[0], nets[1], nets[1], nets[0]):
+                outcomes.append(_outcome(world, lambda n=net: n(torch.ones(2, 3)).sum().backward()))
+        finally:
+            st.close()
+        return outcomes
+
+    return {mode: run(mode == "overlap") for mode in ("default", "overlap")}
+
+
 def frozen_and_unused(world, algorithm):
     """Edge case 4 (reducer): a parameter without a gradient on every rank and one frozen after
     the reducer was built keep .grad None and do not move under SGD(weight_decay)."""
@@ -691,6 +714,7 @@ def edge_case_checks(world):
         "foreign_model": foreign_model(world),
         "changed_layout": changed_layout(world),
         "static_graph_mixed": static_graph_mixed(world),
+        "shared_state": shared_state(world),
     }
     for algorithm in SPARSE_ALGORITHMS:
         out[algorithm] = {
