@@ -51,6 +51,7 @@ def option_type(kind, ok, what):
         return v
 
     parse.__name__ = kind.__name__  # argparse's "invalid <name> value" wording
+    parse.__doc__ = f"argparse ``type=``: {what} (a usage error otherwise)."
     parse.ok, parse.what = ok, what
     return parse
 
