@@ -124,9 +124,11 @@ def check_n(n):
 
 
 def check_P(P):
-    """A number of blocks (ranks): an integer >= 1; returns it as ``int``."""
+    """A number of blocks (ranks): an integer in [1, 2**31 - 1] (what an MPI communicator
+    can hold); returns it as ``int``."""
     P = check_int("P", P)
     require(P >= 1, "P", lambda: f"must be >= 1, got {P}")
+    require(P < 2**31, "P", lambda: f"must be <= 2**31 - 1 (a number of ranks), got {P}")
     return P
 
 

@@ -350,6 +350,8 @@ V = np.ones(3)
         (lambda: sk.coalesce(I, np.ones(2)), ValueError, "values"),
         (lambda: sk.uniform_bounds(-1, 2), ValueError, "n"),
         (lambda: sk.uniform_bounds(5, 0), ValueError, "P"),
+        (lambda: sk.uniform_bounds(5, 2**63), ValueError, "P: must be <= 2\\*\\*31 - 1"),
+        (lambda: sk.balanced_bounds(I, 9, 2**31), ValueError, "P: must be <= 2\\*\\*31 - 1"),
         (lambda: sk.uniform_bounds(5.0, 2), TypeError, "n"),
         (lambda: sk.balanced_bounds(np.array([0, 9]), 9, 2), ValueError, "indices"),
         (lambda: sk.balanced_bounds(I, 9, 0), ValueError, "P"),
@@ -385,6 +387,55 @@ def test_scatter_add_error_writes_nothing_and_read_only_rejected():
     d.flags.writeable = False
     with pytest.raises(ValueError, match="dense"):
         sk.scatter_add(d, np.array([0]), np.ones(1))
+
+
+def test_in_place_targets_that_numpy_can_only_copy_are_refused():
+    """A list as an in-place target would receive the writes in a temporary copy and come back
+    unchanged: a TypeError naming it. A buffer NumPy views (array.array) is written."""
+    import array
+
+    g, e = np.ones(4, np.float32), np.zeros(4, np.float32)
+    bounds = np.array([0, 4], np.int64)
+    calls = {
+        "dense": lambda t: sk.scatter_add(t, np.array([1]), np.ones(1)),
+        "out": lambda t: sk.accumulate_above(g, e, 0.5, out=t),
+        "x": lambda t: host_arrays.divide_max_abs(t, 2),
+        "s": lambda t: host_arrays.zero_members(t, np.array([0]), np.array([0])),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=f"^{name} is written in place"):
+            call([0.0, 0.0, 0.0, 0.0])
+    with pytest.raises(TypeError, match="^out is written in place"):
+        sk.accumulate_topk(g, e, np.array([1]), bounds, out=[0.0] * 4)
+    with pytest.raises(TypeError, match="^x is written in place"):
+        host_arrays.canonicalize([float("nan")])
+    buf = array.array("d", [0.0, 0.0, 0.0])
+    sk.scatter_add(buf, np.array([1]), np.ones(1))
+    assert list(buf) == [0.0, 1.0, 0.0]
+
+
+def test_cast_and_canonicalize_refuse_what_their_bits_would_get_wrong():
+    """The canonical NaN's bits are native: a big-endian array or target dtype would turn a NaN
+    into a tiny finite number, so it is a TypeError; a 2-D array is a ValueError naming it."""
+    big = np.array([1.0, np.nan], ">f8")
+    with pytest.raises(TypeError, match="^x: dtype must be in native byte order"):
+        host_arrays.canonicalize(big)
+    with pytest.raises(TypeError, match="^a: dtype must be in native byte order"):
+        host_arrays.cast(big, np.float32)
+    with pytest.raises(TypeError, match="^dtype must be in native byte order"):
+        host_arrays.cast(np.array([np.nan, 3.0]), ">f4")
+    for dt in (np.float16, np.float32):
+        with pytest.raises(ValueError, match="^a: expected a 1-D array"):
+            host_arrays.cast(np.ones((2, 2), dt), np.float32 if dt == np.float16 else np.float16)
+    with pytest.raises(ValueError, match="^x: expected a 1-D array"):
+        host_arrays.canonicalize(np.ones((2, 2)))
+    with pytest.raises(TypeError, match="^x: dtype must be float16"):
+        host_arrays.canonicalize(np.ones(2, np.int32))
+    ro = np.array([np.nan])
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="^x: array is read-only"):
+        host_arrays.canonicalize(ro)
+    assert np.isnan(host_arrays.cast(np.array([np.nan, 3.0]), np.float32)[0])
 
 
 def test_accepts_cpu_torch_tensors_and_strided_views():

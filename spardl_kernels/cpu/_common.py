@@ -42,6 +42,18 @@ def as_array(x, name="x"):
         ) from e
 
 
+def in_place(x, name="x"):
+    """:func:`as_array` for an argument written in place: TypeError naming ``name`` when NumPy
+    could only copy it (a list, a tuple), since the writes would then reach a temporary."""
+    a = as_array(x, name)
+    if a is not x and not np.may_share_memory(a, x):
+        raise TypeError(
+            f"{name} is written in place, so it must be an array (or a buffer NumPy views "
+            f"without copying), got {type(x).__name__}"
+        )
+    return a
+
+
 def as_values(name, x):
     """Coerce and check a value array (1-D, float16/32/64)."""
     a = as_array(x, name)

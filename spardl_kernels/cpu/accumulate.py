@@ -20,7 +20,7 @@ from numba import njit
 
 from .. import _validate, config
 from .._contract import threshold_key
-from ._common import JIT, as_values, canonical, key_view, scratch
+from ._common import JIT, as_values, canonical, in_place, key_view, scratch
 from ._simd import float_bits, store_fence, stream_head, sum_mask
 from .select import (
     _bracket,
@@ -87,7 +87,7 @@ def _output(out, g, e, n, work):
     memory with g or e), or a new array."""
     if out is None:
         return np.empty(n, work)
-    x = as_values("out", out)
+    x = as_values("out", in_place(out, "out"))
     overlaps = np.shares_memory(x, g) or np.shares_memory(x, e)
     _validate.check_accumulate_out(x.shape, x.dtype, n, work, x.flags.writeable, overlaps)
     return x

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from .. import _contract, _validate
-from ._common import JIT, as_array, canonical, narrow_half, scratch, widen_half
+from ._common import JIT, as_array, canonical, in_place, narrow_half, scratch, widen_half
 
 __all__ = [
     "divide_max_abs",
@@ -172,7 +172,7 @@ def _positions(name, a):
 
 def _checked_target(s, members):
     """``s`` (a writeable 1-D float32/float64 array) and the ascending integer ``members``."""
-    s = as_array(s, "s")
+    s = in_place(s, "s")
     _validate.check_work_array("s", s.ndim, s.dtype, s.flags.writeable)
     members = _positions("members", members)
     if _descents(members):
@@ -354,7 +354,7 @@ def sub_members(s, idx, vals, members):
 
 
 def _work_array(x, name="x"):
-    a = as_array(x, name)
+    a = in_place(x, name)
     _validate.check_work_array(name, a.ndim, a.dtype, a.flags.writeable)
     return a
 
@@ -396,7 +396,7 @@ def divide_max_abs(x, s, out=None):
     The maximum is one of the quotients (fl(max |x_i| / |s|): rounding is monotone), so it is
     the same bits whatever order it is found in.
     """
-    x = as_array(x, "x")
+    x = (in_place if out is None else as_array)(x, "x")  # written in place without out
     _validate.check_work_array("x", x.ndim, x.dtype, True)
     out = _work_array(x, "x") if out is None else _work_array(out, "out")
     _validate.check_same_length("out", out.shape[0], "x", x.shape[0])
@@ -460,11 +460,31 @@ def canonicalize(x):
     docs/design.md §3.4: float16 ``0x7E00``, float32 ``0x7FC00000``, float64
     ``0x7FF8000000000000``. Used by ``spardl``'s layer after the arithmetic it does in NumPy, so
     that its results have the device's bits (:func:`spardl_kernels.cuda.arrays.canonicalize`).
+
+    Raises
+    ------
+    TypeError
+        x not a float16/32/64 array in native byte order (the canonical bits are native), or
+        something NumPy can only copy (a list).
+    ValueError
+        x not 1-D or read-only.
     """
+    x = in_place(x, "x")
+    _check_cast_operand("x", x.ndim, x.dtype)
+    if x.dtype.kind != "f" or x.dtype.itemsize not in (2, 4, 8):
+        raise TypeError(f"x: dtype must be float16, float32 or float64, got {x.dtype}")
+    _validate.require(x.flags.writeable, "x", "array is read-only; canonicalize writes into it")
     nan = np.isnan(x)
     if nan.any():
         x.view(_contract.BITS[x.dtype.name])[nan] = _contract.canonical_nan_bits(x.dtype)
     return x
+
+
+def _check_cast_operand(name, ndim, dtype) -> None:
+    if ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D array, got {ndim} dimensions")
+    if not dtype.isnative:
+        raise TypeError(f"{name}: dtype must be in native byte order, got {dtype}")
 
 
 def cast(a, dtype):
@@ -487,8 +507,18 @@ def cast(a, dtype):
     NumPy's conversions may quiet a signalling NaN. Any other pair of float dtypes converts
     values and writes a NaN as the canonical NaN of ``dtype``; integer dtypes convert as
     ``astype``. The device twin is :func:`spardl_kernels.cuda.arrays.cast`.
+
+    Raises
+    ------
+    TypeError
+        ``a``'s dtype or ``dtype`` not in native byte order (a NaN's canonical bits are native).
+    ValueError
+        ``a`` not 1-D.
     """
     a, dt = as_array(a, "a"), np.dtype(dtype)
+    _check_cast_operand("a", a.ndim, a.dtype)
+    if not dt.isnative:
+        raise TypeError(f"dtype must be in native byte order, got {dt}")
     if a.dtype == dt:
         return np.array(a, copy=True)
     if (a.dtype.name, dt.name) == ("float16", "float32"):

@@ -97,7 +97,7 @@ def uniform_bounds(n, P):
     n : int
         Vector length, n >= 0.
     P : int
-        Number of blocks (ranks, or team size m), P >= 1.
+        Number of blocks (ranks, or team size m), 1 <= P <= 2**31 - 1.
 
     Returns
     -------
@@ -109,7 +109,7 @@ def uniform_bounds(n, P):
     Raises
     ------
     ValueError
-        n < 0; P < 1.
+        n < 0; P outside [1, 2**31 - 1].
     TypeError
         n or P not an integer.
 
@@ -133,7 +133,7 @@ def balanced_bounds(indices, n, P):
     n : int
         Vector length, n >= 0.
     P : int
-        Number of regions, P >= 1.
+        Number of regions, 1 <= P <= 2**31 - 1.
 
     Returns
     -------
@@ -145,7 +145,7 @@ def balanced_bounds(indices, n, P):
     Raises
     ------
     ValueError
-        Bad shapes; an index outside [0, n); n < 0; P < 1.
+        Bad shapes; an index outside [0, n); n < 0; P outside [1, 2**31 - 1].
     TypeError
         indices not int32/int64; n or P not an integer.
 

@@ -20,6 +20,7 @@ from ._common import (
     as_values,
     canonical,
     cpu_threads,
+    in_place,
     narrow_half,
     numba_threads,
     scratch,
@@ -729,7 +730,7 @@ def scatter_add(dense, indices, values):
     untouched entries keep their bits.
     """
     target = dense
-    dense = as_values("dense", dense)
+    dense = as_values("dense", in_place(dense, "dense"))
     indices = as_indices("indices", indices)
     values = as_values("values", values)
     _validate.check_same_length("values", values.shape[0], "indices", indices.shape[0])
