@@ -872,6 +872,9 @@ def _record(rec, where: str):
         raise ValueError(f"{where}: trace record step must be >= 0, got {step}")
     if nbytes < 0:
         raise ValueError(f"{where}: trace record bytes must be >= 0, got {nbytes}")
+    for name, v in (("step", step), ("peer", peer), ("bytes", nbytes)):
+        if not -(2**63) <= v < 2**63:  # what the accounting counts in; float math past it
+            raise ValueError(f"{where}: trace record {name} must fit in int64, got {v}")
     return int(step), phase, kind, int(peer), int(nbytes)
 
 

@@ -244,17 +244,35 @@ def load_traces(path) -> tuple[list[list[tuple]], dict]:
     ------
     ValueError
         If the file is not JSON (:class:`json.JSONDecodeError`), not a spardl trace of a known
-        format, or its ``P`` is not its number of ranks.
+        format, its ``ranks`` are not lists of records, a record is malformed (as
+        :func:`spardl.cost_model.replay` checks it: integers within int64, step and bytes ≥ 0,
+        a string phase, a known kind), its ``P`` is not its number of ranks, or its
+        ``meta`` is not an object.
     OSError
         If the file cannot be read.
     """
-    doc = json.loads(Path(path).read_text())
+    from .cost_model import _record
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except RecursionError:  # nesting deeper than the parser's stack: no trace file
+        raise ValueError(f"{path}: not a {FORMAT} file (nested too deep)") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} file")
-    traces = [[tuple(r) for r in recs] for recs in doc["ranks"]]
-    if len(traces) != doc.get("P"):
-        raise ValueError(f"{path}: P={doc.get('P')} but {len(traces)} ranks of records")
-    return traces, doc.get("meta", {})
+    ranks, P, meta = doc.get("ranks"), doc.get("P"), doc.get("meta", {})
+    if not isinstance(ranks, list) or not all(isinstance(recs, list) for recs in ranks):
+        raise ValueError(f"{path}: 'ranks' must be a list of per-rank lists of records")
+    try:
+        traces = [
+            [_record(rec, f"{path}: rank {r}") for rec in recs] for r, recs in enumerate(ranks)
+        ]
+    except TypeError as e:  # a field of the wrong type: the file's content, not an argument
+        raise ValueError(str(e)) from None
+    if type(P) is not int or P != len(traces):
+        raise ValueError(f"{path}: P={P!r} but {len(traces)} ranks of records")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: 'meta' must be an object, got {type(meta).__name__}")
+    return traces, meta
 
 
 def summarize(traces) -> list[dict]:
@@ -272,7 +290,17 @@ def summarize(traces) -> list[dict]:
         ``traces[r]`` summarized as ``{"messages", "bytes", "steps", "phases": {phase:
         {"messages", "bytes"}}, "kinds": {kind: messages}}``; ``steps`` is the number of
         distinct step numbers in the rank's records.
+
+    Raises
+    ------
+    TypeError, ValueError
+        If ``traces`` is not a list of per-rank record sequences or a record is malformed
+        (checked as :func:`spardl.cost_model.replay` checks it), naming the rank.
     """
+    from .cost_model import _check_traces, _record
+
+    _check_traces(traces)
+    traces = [[_record(rec, f"traces[{r}]") for rec in recs] for r, recs in enumerate(traces)]
     out = []
     for recs in traces:
         s = {

@@ -168,6 +168,58 @@ def test_load_rejects_other_files(tmp_path):
         tr.load_traces(p)
 
 
+GOOD_RECORD = [0, "srs", "p2p", 1, 4096]
+
+
+@pytest.mark.parametrize(
+    ("doc", "match"),
+    [
+        ({"P": 1}, "'ranks' must be a list"),
+        ({"P": 1, "ranks": 5}, "'ranks' must be a list"),
+        ({"P": 1, "ranks": ["abc"]}, "'ranks' must be a list"),
+        ({"P": 1, "ranks": [[7]]}, "a trace record is"),
+        ({"P": 1, "ranks": [[[0, "srs"]]]}, "a trace record is"),
+        ({"P": 1, "ranks": [[[0, "srs", "p2p", 1, -4096]]]}, "bytes must be >= 0"),
+        ({"P": 1, "ranks": [[[0, "srs", "p2p", 1, "4096"]]]}, "bytes must be an integer"),
+        ({"P": 1, "ranks": [[[0, "srs", "p2p", 1, 4.9]]]}, "bytes must be an integer"),
+        ({"P": 1, "ranks": [[[0, "srs", "p2p", 1, True]]]}, "bytes must be an integer"),
+        ({"P": 1, "ranks": [[[0, "srs", "pigeon", 1, 8]]]}, "kind must be one of"),
+        ({"P": 1, "ranks": [[[0, "srs", "p2p", 1, 10**400]]]}, "bytes must fit in int64"),
+        ({"P": True, "ranks": [[GOOD_RECORD]]}, "P=True but 1 ranks"),
+        ({"P": 1, "ranks": [[GOOD_RECORD]], "meta": [1, 2]}, "'meta' must be an object"),
+    ],
+)
+def test_load_checks_every_record_as_replay_does(tmp_path, doc, match):
+    """A malformed trace file is a ValueError naming what is wrong, never a raw KeyError or
+    TypeError, nor totals that summarize() would add up from nonsense."""
+    import spardl.trace as tr
+
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"format": tr.FORMAT, **doc}))
+    with pytest.raises(ValueError, match=match):
+        tr.load_traces(p)
+
+
+def test_load_of_a_file_nested_past_the_parsers_stack_is_a_value_error(tmp_path):
+    import spardl.trace as tr
+
+    p = tmp_path / "deep.json"
+    p.write_text("[" * 100_000)
+    with pytest.raises(ValueError, match="nested too deep"):
+        tr.load_traces(p)
+
+
+def test_summarize_checks_its_records():
+    import spardl.trace as tr
+
+    good = tr.summarize([[tuple(GOOD_RECORD)], []])
+    assert good[0]["bytes"] == 4096 and good[1]["messages"] == 0
+    with pytest.raises(ValueError, match=r"traces\[0\]: trace record bytes must be >= 0"):
+        tr.summarize([[(0, "srs", "p2p", 1, -1)]])
+    with pytest.raises(TypeError, match="traces must be a list"):
+        tr.summarize("abc")
+
+
 def test_gather_traces_takes_an_mpi4py_or_spardl_communicator():
     from mpi4py import MPI
 
