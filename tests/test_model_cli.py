@@ -266,3 +266,6 @@ def test_the_demo_summary_states_bytes_without_a_meaningless_ratio():
     )
     assert "At P = 1 no allreduce sends a byte" in bytes_sentence(0, 0)
     assert "nothing sent" in bytes_sentence(0, 50_000)
+    # At a density near 1 SparDL sends indices beside every value: more than dense.
+    assert "(2.0x more)" in bytes_sentence(100_000, 50_000)
+    assert "(as many)" in bytes_sentence(50_000, 50_000)

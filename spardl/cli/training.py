@@ -132,8 +132,15 @@ def bytes_sentence(sparse: int, dense: int) -> str:
     """
     if dense == 0:
         return "At P = 1 no allreduce sends a byte: run with --world-size ≥ 2 to compare bytes."
-    less = f"{dense / sparse:.1f}x less" if sparse else "nothing sent"
-    return f"SparDL sends {sparse / dense:.2%} of the dense allreduce's bytes per rank ({less})."
+    if not sparse:
+        how = "nothing sent"
+    elif sparse < dense:
+        how = f"{dense / sparse:.1f}x less"
+    elif sparse > dense:  # a density near 1: indices beside every value
+        how = f"{sparse / dense:.1f}x more"
+    else:
+        how = "as many"
+    return f"SparDL sends {sparse / dense:.2%} of the dense allreduce's bytes per rank ({how})."
 
 
 def _cmd_demo(args) -> int:
