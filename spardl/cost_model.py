@@ -127,7 +127,7 @@ class Cost:
             If a rate is negative or not finite, or ``word_bytes`` is not finite and > 0.
         """
         _check_rates(alpha, beta, gamma)
-        _check_word_bytes(word_bytes)
+        _check_positive("word_bytes", word_bytes)
         # Term by term: β + γ may overflow for huge finite rates, and 0·inf would be NaN
         # where nothing is sent (P = 1).
         path_bytes = self.path_words * word_bytes
@@ -797,13 +797,15 @@ def predict(
     ValueError
         If ``algorithm`` or ``wire`` is unknown, P, n or ``teams`` < 1, ``teams`` does not
         divide P for SparDL, ``density`` is not in (0, 1], a rate is negative or not finite,
-        ``word_bytes`` is not finite and > 0, or an option is out of range: naming the argument.
+        ``word_bytes`` or ``value_bytes`` is not finite and > 0, or an option is out of range:
+        naming the argument.
     """
     check_choice("algorithm", algorithm, tuple(sorted(FORMULAS)))
     f = FORMULAS[algorithm]
     check_choice("wire", wire, ("coo", "compact"))
     _check_rates(alpha, beta, gamma)
-    _check_word_bytes(word_bytes)
+    _check_positive("word_bytes", word_bytes)
+    _check_positive("value_bytes", value_bytes)
     _check_count("P", P, 1)
     _check_count("teams", teams, 1)
     if algorithm == "spardl" and P % teams:
@@ -831,11 +833,6 @@ def _check_rates(alpha, beta, gamma) -> None:
         check_float(name, v, numpy=False)
         if not 0 <= v < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-
-
-def _check_word_bytes(word_bytes) -> None:
-    """Bytes per word: a real number (a Python one, not a bool), finite and > 0."""
-    _check_positive("word_bytes", word_bytes)
 
 
 def _check_positive(name: str, value) -> None:

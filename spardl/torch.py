@@ -1778,6 +1778,14 @@ class SparseHookState(_Front):
             return self._names[id(p)]
         return f"#{i}" if i is not None else f"of shape {tuple(p.shape)}"
 
+    def _unknown_parameter(self, p) -> ValueError:
+        """The error for a parameter DDP hands over that the first iteration's buckets did not
+        hold (both hook modes)."""
+        return ValueError(
+            f"parameter {self._name(p)} is in DDP's buckets but was not at the first iteration "
+            "(one SparseHookState serves one DDP model)"
+        )
+
     def _foreign(self, params) -> ValueError | None:
         """The error for parameters DDP reduces that the ``model`` given to the state does not
         hold (another module than the one DDP wraps: its names would key nothing); None when
@@ -1895,10 +1903,7 @@ class SparseHookState(_Front):
             self._strangers.update(id(p) for p in unknown)  # refused at every later iteration
             # Every bucket holds all its parameters on every iteration, so a parameter first
             # seen after the first iteration belongs to another model sharing this state.
-            err = ValueError(
-                f"parameter {self._name(unknown[0])} is in DDP's buckets but was not at the "
-                "first iteration (one SparseHookState serves one DDP model)"
-            )
+            err = self._unknown_parameter(unknown[0])
         new = [p for p in params if id(p) not in self._used or id(p) not in self._index]
         for p in new:
             self._index.setdefault(id(p), len(self._index))
@@ -2023,10 +2028,7 @@ class SparseHookState(_Front):
                 i = self._index.get(id(p))
                 if i is None:
                     if err is None:
-                        err = ValueError(
-                            f"parameter {self._name(p)} is in DDP's buckets but was not at the "
-                            "first iteration"
-                        )
+                        err = self._unknown_parameter(p)
                     continue
                 flat[o[i] : o[i + 1]].copy_(buf[off : off + p.numel()])
                 present[i] = True
