@@ -17,8 +17,8 @@ path the allreducers' one-way messages take.
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import platform
 import time
 
@@ -307,12 +307,12 @@ def run(args, world) -> int:
     Raises
     ------
     spardl.cli.common.UsageError
-        If ``world`` has fewer than 2 ranks or ``--json``'s directory is not writable on
-        rank 0.
+        If ``world`` has fewer than 2 ranks, or rank 0 cannot write ``--json`` (a directory,
+        a missing or read-only folder), on every rank.
     TypeError, ValueError
         As :func:`pingpong`, for bad sizes or repeat.
     """
-    from .cli.common import UsageError
+    from .cli.common import UsageError, output_file
 
     sizes = args.sizes or DEFAULT_SIZES
     if world.Get_size() < 2:
@@ -321,10 +321,15 @@ def run(args, world) -> int:
             f"{world.Get_size()}"
         )
     if args.json:  # a path rank 0 cannot write fails now, not after the measurement
-        where = os.path.dirname(os.path.abspath(args.json))
-        ok = os.path.isdir(where) and os.access(where, os.W_OK) if world.Get_rank() == 0 else None
-        if not world.bcast(ok, root=0):
-            raise UsageError(f"--json: cannot write {args.json} (no such writable directory)")
+        problem = None
+        if world.Get_rank() == 0:
+            try:
+                output_file(args.json)
+            except argparse.ArgumentTypeError as e:
+                problem = str(e)
+        problem = world.bcast(problem, root=0)
+        if problem is not None:
+            raise UsageError(f"--json: {problem}")
     rows = pingpong(world, sizes, repeat=args.repeat)
     alpha, beta = fit_alpha_beta([s for s, _ in rows], [t for _, t in rows])
     gamma = None if args.no_gamma else fit_gamma()

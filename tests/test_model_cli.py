@@ -87,16 +87,18 @@ def test_model_overrides_plot_and_errors(tmp_path):
         (["--alpha", "inf"], "alpha must be a finite number >= 0"),
         (["--alpha", "1e308", "--beta", "1e308", "--P", "4096"], "not finite"),
         (["--plot", "{tmp}/missing/x.png"], "does not exist"),
-        (["--plot", "{tmp}/x.xyz"], "--plot must end in one of"),
-        (["--plot", "{tmp}"], "--plot must be a file name"),
+        (["--plot", "{tmp}/x.xyz"], "--plot: must end in one of"),
+        (["--plot", "{tmp}"], "--plot: must be a file name"),
         (["--plot", "/proc/x.png"], "--plot: cannot write /proc/x.png"),
     ],
 )
 def test_model_rejects_what_it_cannot_print_or_plot(tmp_path, args, message):
-    """Exit status 2 and one line, before anything is written (JSON never holds inf/NaN)."""
+    """Exit status 2 and one error line (after argparse's usage for an option's own type),
+    before anything is written (JSON never holds inf/NaN)."""
     proc = _model(*(a.replace("{tmp}", str(tmp_path)) for a in args))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    assert proc.stderr.startswith("spardl model: error: "), proc.stderr  # as the other commands
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("spardl model: error: ") and message in last, proc.stderr
     assert proc.stdout == "" and "Traceback" not in proc.stderr
 
 
@@ -227,6 +229,8 @@ def test_bench_pingpong_usage_errors(argv, message, capsys):
     [
         (1, ["--sizes", "8"], "bench pingpong needs at least 2 ranks"),
         (2, ["--sizes", "8", "--json", "/nonexistent-dir/pp.json"], "--json: cannot write"),
+        # A directory was taken (its parent is writable) and failed after the measurement.
+        (2, ["--sizes", "8", "--json", "/tmp"], "--json: must be a file name"),
     ],
 )
 def test_bench_pingpong_run_time_usage_errors(P, argv, message):

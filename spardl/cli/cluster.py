@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import os
 import signal
 import sys
 from pathlib import Path
 
-from .common import POSITIVE_FLOAT, POSITIVE_INT
+from .common import POSITIVE_FLOAT, POSITIVE_INT, output_file
 
 __all__ = ["add_cluster", "rate_type", "time_type"]
 
@@ -88,7 +87,13 @@ def add_cluster(sub) -> None:
         help="added one-way delay, tc syntax (50us, 1ms); needs the netem qdisc",
     )
     r.add_argument("--timeout", type=POSITIVE_FLOAT, default=None, help="seconds; exit 124")
-    r.add_argument("--report", type=Path, default=None, help="write the link counters as JSON")
+    r.add_argument(
+        "--report",
+        type=output_file,  # checked before the nodes exist and the command runs
+        default=None,
+        metavar="PATH",
+        help="write the link counters as JSON",
+    )
     r.add_argument("--quiet", "-q", action="store_true", help="no header and no link summary")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     r.set_defaults(func=_cmd_run)
@@ -137,14 +142,6 @@ def _cmd_run(args) -> int:
         command = command[1:]
     if not command:
         return _error("no command given (spardl cluster run --nodes N -- COMMAND [ARGS...])")
-    if args.report is not None:  # checked before the nodes exist and the command runs
-        report, folder = args.report, args.report.resolve().parent
-        if not folder.is_dir():
-            return _error(f"--report: folder {folder} does not exist")
-        if report.is_dir():
-            return _error(f"--report: {report} is a directory; give a file name")
-        if not os.access(report if report.exists() else folder, os.W_OK):
-            return _error(f"--report: cannot write {report}")
     problem = check_quick()
     if problem:
         return _error(problem)
@@ -197,4 +194,4 @@ def _write_report(args, command, returncode, counters) -> None:
         "returncode": returncode,
         "links": counters,
     }
-    args.report.write_text(json.dumps(report, indent=1))
+    Path(args.report).write_text(json.dumps(report, indent=1))

@@ -1,8 +1,10 @@
 """What every ``spardl`` subcommand shares: the usage error, range-checked option types, the
 parser that reports a usage error once under ``mpiexec``, and the collective runner.
 
-Kept free of the subcommands (they import it, never the other way) and light: argparse and os
-at import, mpi4py only when a collective runs.
+Kept free of the subcommands (they import it, never the other way) and light: argparse, os,
+tempfile and pathlib at import, mpi4py only when a collective runs, matplotlib only when a plot
+path is checked. The bench scripts load this file by its path, without importing ``spardl``
+(which initialises MPI): nothing here may import relative to the package at module level.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import argparse
 import math
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 __all__ = [
     "UsageError",
@@ -22,6 +26,10 @@ __all__ = [
     "POSITIVE_FLOAT",
     "LEARNING_RATE",
     "MOMENTUM",
+    "output_file",
+    "output_file_parents",
+    "output_dir",
+    "plot_file",
     "launcher_rank",
     "Parser",
     "run_collective",
@@ -67,6 +75,84 @@ MOMENTUM = option_type(float, lambda v: 0 <= v < 1, "a momentum in [0, 1)")
 LEARNING_RATE = option_type(
     float, lambda v: 0 < v <= 3.4028234663852886e38, "a number in (0, 3.4e38] (float32's range)"
 )
+
+
+# Output paths. Checked before any work, and without creating or changing anything: under
+# mpiexec every rank parses the same options at once.
+
+
+def _writable_dir(d: Path, text: str) -> None:
+    if not d.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {d} is not a directory")
+    try:  # a nameless (or uniquely named) file, gone on close: every rank may probe at once
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: cannot create a file in {d} ({e.strerror or e})"
+        ) from None
+
+
+def _nearest_existing(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _file(text: str, parents: bool) -> str:
+    p = Path(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"must be a file name, got the directory {text}")
+    if p.exists():
+        try:  # opened for appending, nothing written
+            with open(p, "ab"):
+                pass
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {e.strerror or e}") from None
+        return text
+    parent = p.parent
+    if not parent.exists() and not parents:
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: the directory {parent} does not exist"
+        )
+    _writable_dir(_nearest_existing(parent), text)
+    return text
+
+
+def output_file(text: str) -> str:
+    """argparse ``type=``: a file path the program can create or overwrite (its directory must
+    exist), checked before any work; kept as text."""
+    return _file(text, parents=False)
+
+
+def output_file_parents(text: str) -> str:
+    """As :func:`output_file`, for a program that creates the missing directories itself."""
+    return _file(text, parents=True)
+
+
+def output_dir(text: str) -> Path:
+    """argparse ``type=``: a directory the program writes into (created with its parents where
+    missing), checked before any work; as a Path."""
+    p = Path(text)
+    _writable_dir(p if p.exists() else _nearest_existing(p.parent), text)
+    return p
+
+
+def plot_file(text: str) -> str:
+    """:func:`output_file` whose suffix is a format matplotlib writes (png, pdf, svg, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    output_file(text)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(text).suffix.lstrip(".").lower() not in formats:
+        raise argparse.ArgumentTypeError(
+            f"must end in one of {', '.join('.' + f for f in sorted(formats))}, got {text}"
+        )
+    return text
+
+
+output_file.__name__ = output_file_parents.__name__ = "path"
+output_dir.__name__ = plot_file.__name__ = "path"
 
 
 def launcher_rank() -> int | None:

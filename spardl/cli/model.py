@@ -18,7 +18,7 @@ import json
 import math
 import sys
 
-from .common import POSITIVE_INT, option_type, run_collective
+from .common import POSITIVE_INT, option_type, plot_file, run_collective
 
 __all__ = [
     "MODELS",
@@ -207,32 +207,6 @@ def _table(rows) -> str:
     return "\n".join(lines)
 
 
-def _check_plot_path(path) -> None:
-    """Raise ValueError unless matplotlib can write ``path`` (checked before any work)."""
-    from pathlib import Path
-
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    p = Path(path)
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if p.is_dir():
-        raise ValueError(f"--plot must be a file name, got the directory {path}")
-    if p.suffix.lstrip(".").lower() not in formats:
-        raise ValueError(
-            f"--plot must end in one of {', '.join('.' + f for f in sorted(formats))}, got {path}"
-        )
-    if not p.parent.is_dir():
-        raise ValueError(f"--plot: the directory {p.parent} does not exist")
-    existed = p.exists()
-    try:  # writable: opened for appending (nothing written), and removed again if it was new
-        with open(p, "ab"):
-            pass
-    except OSError as e:
-        raise ValueError(f"--plot: cannot write {path}: {e.strerror or e}") from None
-    if not existed:
-        p.unlink()
-
-
 def _plot(rows, path, title):
     import matplotlib
 
@@ -314,7 +288,7 @@ def add_model(sub) -> None:
         "default), 'start' = its first value (disjoint selections)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    p.add_argument("--plot", metavar="PATH.png", help="write a PNG of time vs P")
+    p.add_argument("--plot", metavar="PATH.png", type=plot_file, help="write a PNG of time vs P")
     p.set_defaults(func=model_main)
 
 
@@ -342,8 +316,6 @@ def model_main(args) -> int:
                     if label == args.network
                     else f"{args.network} (alpha, beta overridden)"
                 )
-        if args.plot:
-            _check_plot_path(args.plot)
         rows = project(
             n, args.density, Ps, net["alpha"], net["beta"], args.gamma, algs, label, args.sag_budget
         )
@@ -397,6 +369,7 @@ def add_bench(sub) -> None:
         help="comma-separated byte sizes (default: 8, 16, ..., 4194304)",
     )
     q.add_argument("--repeat", type=POSITIVE_INT, default=None, help="round trips per size")
+    # Rank 0 alone writes it, so rank 0 alone checks it (spardl.pingpong.run).
     q.add_argument("--json", metavar="PATH", help="write alpha, beta, gamma and the rows")
     q.add_argument("--no-gamma", action="store_true", help="skip the merge-kernel timing")
     q.set_defaults(func=_cmd_pingpong)
