@@ -247,6 +247,28 @@ def check_accumulate_out(shape, dtype, n, work, writeable, overlaps):
     require(not overlaps, "out", "must not share memory with g or e")
 
 
+def check_cast_operand(name, ndim, dtype) -> None:
+    """An operand of ``cast`` / ``canonicalize``: 1-D, in native byte order (a NaN's
+    canonical bits are native; a swapped array would get them in the wrong order)."""
+    check_ndim(name, ndim)
+    dtype = np.dtype(dtype)
+    require(
+        dtype.isnative, name, lambda: f"dtype must be in native byte order, got {dtype}", TypeError
+    )
+
+
+def check_canonical_target(name, ndim, dtype) -> None:
+    """The target of ``canonicalize``: as :func:`check_cast_operand`, and float16/32/64."""
+    check_cast_operand(name, ndim, dtype)
+    dtype = np.dtype(dtype)
+    require(
+        dtype.kind == "f" and dtype.itemsize in (2, 4, 8),
+        name,
+        lambda: f"dtype must be float16, float32 or float64, got {dtype}",
+        TypeError,
+    )
+
+
 def check_work_array(name, ndim, dtype, writeable):
     """The target of ``divide_max_abs`` / ``canonical_count_nonfinite``: 1-D,
     float32 or float64 (an allreducer's work dtype), writeable."""

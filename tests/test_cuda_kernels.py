@@ -758,6 +758,27 @@ def test_cast_and_canonicalize_nan_bits_cpu_equals_gpu(data, dtype):
     assert_unsigned_bits_equal(host(d), host_ops.canonicalize(x.copy()))
 
 
+def test_cast_and_canonicalize_errors_match_the_cpu():
+    """A 2-D array, a non-native target dtype or a non-float target: the CPU function's error,
+    word for word (the device twins took them and wrote wrong bits or raised Numba's error)."""
+    from spardl_kernels.cpu import arrays as host_ops
+    from spardl_kernels.cuda import arrays as device_ops
+
+    cases = [
+        ("cast", np.ones((2, 2), np.float32), (np.float16,)),
+        ("cast", np.ones((2, 2), np.float64), (np.float32,)),
+        ("cast", np.array([np.nan, 1.0]), (">f4",)),
+        ("canonicalize", np.ones((2, 2)), ()),
+        ("canonicalize", np.ones(3, np.int32), ()),
+    ]
+    for name, a, args in cases:
+        with pytest.raises((TypeError, ValueError)) as cpu_err:
+            getattr(host_ops, name)(a.copy(), *args)
+        with pytest.raises(cpu_err.type) as gpu_err:
+            getattr(device_ops, name)(dev(a), *args)
+        assert str(gpu_err.value) == str(cpu_err.value)
+
+
 @NAN_SETTINGS
 @given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64]))
 def test_dense_passes_nan_bits_cpu_equals_gpu(data, dtype):

@@ -470,21 +470,12 @@ def canonicalize(x):
         x not 1-D or read-only.
     """
     x = in_place(x, "x")
-    _check_cast_operand("x", x.ndim, x.dtype)
-    if x.dtype.kind != "f" or x.dtype.itemsize not in (2, 4, 8):
-        raise TypeError(f"x: dtype must be float16, float32 or float64, got {x.dtype}")
+    _validate.check_canonical_target("x", x.ndim, x.dtype)
     _validate.require(x.flags.writeable, "x", "array is read-only; canonicalize writes into it")
     nan = np.isnan(x)
     if nan.any():
         x.view(_contract.BITS[x.dtype.name])[nan] = _contract.canonical_nan_bits(x.dtype)
     return x
-
-
-def _check_cast_operand(name, ndim, dtype) -> None:
-    if ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D array, got {ndim} dimensions")
-    if not dtype.isnative:
-        raise TypeError(f"{name}: dtype must be in native byte order, got {dtype}")
 
 
 def cast(a, dtype):
@@ -516,9 +507,10 @@ def cast(a, dtype):
         ``a`` not 1-D.
     """
     a, dt = as_array(a, "a"), np.dtype(dtype)
-    _check_cast_operand("a", a.ndim, a.dtype)
-    if not dt.isnative:
-        raise TypeError(f"dtype must be in native byte order, got {dt}")
+    _validate.check_cast_operand("a", a.ndim, a.dtype)
+    _validate.require(
+        dt.isnative, "dtype", lambda: f"must be in native byte order, got {dt}", TypeError
+    )
     if a.dtype == dt:
         return np.array(a, copy=True)
     if (a.dtype.name, dt.name) == ("float16", "float32"):

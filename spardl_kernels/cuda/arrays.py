@@ -273,9 +273,19 @@ def cast(a, dtype):
     Returns
     -------
     device array of shape (m,), ``dtype``
+
+    Raises
+    ------
+    TypeError, ValueError
+        As the CPU function: ``a`` not 1-D, ``a``'s dtype or ``dtype`` not in native byte
+        order.
     """
     a, dt = view(a), np.dtype(dtype)
     src = np.dtype(a.dtype)
+    _validate.check_cast_operand("a", a.ndim, src)
+    _validate.require(
+        dt.isnative, "dtype", lambda: f"must be in native byte order, got {dt}", TypeError
+    )
     if src == dt:
         return copy(a)
     if (src.name, dt.name) == ("float16", "float32"):
@@ -293,8 +303,10 @@ def cast(a, dtype):
 def canonicalize(x):
     """Every NaN of the device array ``x`` rewritten, in place, as the canonical NaN of its
     dtype (docs/design.md §3.4); returns x. The twin of
-    :func:`spardl_kernels.cpu.arrays.canonicalize`."""
+    :func:`spardl_kernels.cpu.arrays.canonicalize`, with its errors: TypeError for a dtype
+    other than float16/32/64 or not native, ValueError for an array not 1-D."""
     x = view(x)
+    _validate.check_canonical_target("x", x.ndim, x.dtype)
     if x.shape[0]:
         C.launch(_canonicalize, x.shape[0])(x, C.canonical_nan(x.dtype))
     return x
