@@ -269,6 +269,22 @@ def check_canonical_target(name, ndim, dtype) -> None:
     )
 
 
+def check_indices_in_blocks(m, B, ends) -> None:
+    """``block_offsets``: every one of the m sorted indices lies in a block, i.e. in
+    ``[bounds[0], bounds[-1])``; with none (B = 0) an index lies in none. ``ends()`` returns
+    ``(indices[0], indices[-1], bounds[0], bounds[-1])``, called only when m > 0 and B > 0
+    (on the device it copies four numbers back)."""
+    if m == 0:
+        return
+    require(B > 0, "indices", "every index must lie in a block, and bounds is empty")
+    first, last, lo, hi = (int(v) for v in ends())
+    require(
+        lo <= first and last < hi,
+        "indices",
+        lambda: f"every index must lie in [bounds[0], bounds[-1]) = [{lo}, {hi})",
+    )
+
+
 def check_work_array(name, ndim, dtype, writeable):
     """The target of ``divide_max_abs`` / ``canonical_count_nonfinite``: 1-D,
     float32 or float64 (an allreducer's work dtype), writeable."""

@@ -495,6 +495,11 @@ BAD_CALLS = [
     ("scatter_add", (np.ones(4), np.array([0, 1]), np.ones(2, np.float32)), {}),
     ("block_offsets", (np.array([3, 1]), np.array([0, 4])), {}),
     ("block_offsets", (np.array([1, 3]), np.array([4, 0])), {}),
+    # An index in no block: past the last bound, before the first, or with no bounds at all.
+    ("block_offsets", (np.array([1, 5]), np.array([0, 4])), {}),
+    ("block_offsets", (np.array([1, 3]), np.array([2, 4])), {}),
+    ("block_offsets", (np.array([1]), np.array([1])), {}),
+    ("block_offsets", (np.array([1]), np.array([], np.int64)), {}),
     ("balanced_bounds", (np.array([1, 9]), 5, 2), {}),
     ("balanced_bounds", (np.array([1]), 5, 0), {}),
 ]

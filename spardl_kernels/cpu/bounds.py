@@ -186,7 +186,9 @@ def block_offsets(indices, bounds):
     Raises
     ------
     ValueError
-        An argument not 1-D; indices unsorted, duplicated or negative; bounds decreasing.
+        An argument not 1-D; indices unsorted, duplicated or negative; bounds decreasing; an
+        index in no block (outside ``[bounds[0], bounds[-1])``, or any index when bounds is
+        empty).
     TypeError
         indices or bounds not int32/int64.
 
@@ -203,11 +205,8 @@ def block_offsets(indices, bounds):
         "must be non-negative, sorted and unique",
     )
     _validate.require(_nondecreasing(bounds), "bounds", "must be nondecreasing")
-    if indices.shape[0] and bounds.shape[0]:
-        # Sorted, so the ends decide: an index outside [bounds[0], bounds[-1]) is in no block.
-        _validate.require(
-            bounds[0] <= indices[0] and indices[-1] < bounds[-1],
-            "indices",
-            f"every index must lie in [bounds[0], bounds[-1]) = [{bounds[0]}, {bounds[-1]})",
-        )
+    # Sorted, so the ends decide: an index outside [bounds[0], bounds[-1]) is in no block.
+    _validate.check_indices_in_blocks(
+        indices.shape[0], bounds.shape[0], lambda: (indices[0], indices[-1], bounds[0], bounds[-1])
+    )
     return _block_offsets(indices, bounds)

@@ -273,6 +273,13 @@ def first_violation(idx, strict):
     return -1 if pos == INT64_MAX else pos
 
 
+def ends(a):
+    """``(a[0], a[-1])`` of a non-empty device array as Python ints (each copied back)."""
+    m = a.shape[0]
+    both = a[0 : m : max(m - 1, 1)].copy_to_host() if m > 1 else np.repeat(a.copy_to_host(), 2)
+    return int(both[0]), int(both[-1])
+
+
 def check_range(idx, n):
     """ValueError unless every index lies in [0, n) (the CPU kernels' message)."""
     if idx.shape[0] == 0:

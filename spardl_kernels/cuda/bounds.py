@@ -135,13 +135,15 @@ def block_offsets(indices, bounds):
     Raises
     ------
     ValueError
-        An argument not 1-D; indices unsorted, duplicated or negative; bounds decreasing.
+        An argument not 1-D; indices unsorted, duplicated or negative; bounds decreasing; an
+        index in no block (as the CPU function).
     TypeError
         indices or bounds not int32/int64.
 
     Notes
     -----
-    docs/design.md §3 kernel contract. One thread and one binary search per bound.
+    docs/design.md §3 kernel contract. One thread and one binary search per bound; the checks
+    copy a few numbers back.
     """
     indices = C.as_indices("indices", indices)
     bounds = C.as_indices("bounds", bounds)
@@ -154,6 +156,11 @@ def block_offsets(indices, bounds):
         C.first_violation(bounds, strict=False) < 0, "bounds", "must be nondecreasing"
     )
     B = bounds.shape[0]
+    _validate.check_indices_in_blocks(
+        indices.shape[0],
+        B,
+        lambda: (*C.ends(indices), *C.ends(bounds)),
+    )
     out = C.empty(B, np.int64)
     if B:
         C.launch(_searchsorted_left, B)(indices, bounds, out)
