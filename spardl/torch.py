@@ -459,6 +459,12 @@ def _flat_dtype(dtypes) -> torch.dtype:
     return torch.float32
 
 
+def _version(t) -> int:
+    """The tensor's in-place write counter (a fast "written since" test). It is not public
+    torch API: where a build lacks it, 0, and the values compared afterwards decide alone."""
+    return getattr(t, "_version", 0)
+
+
 def _may_overlap(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` may share memory (``expand``: a stride 0), so that it
     cannot be written in place. Conservative: True unless, with its dimensions ordered by
@@ -2321,7 +2327,7 @@ class SparseGradientReducer(_Front):
                 else:
                     p.grad.copy_(g)
             self._written = [  # weak: a gradient dropped by zero_grad() is freed
-                (i, weakref.ref(p.grad), p.grad._version)
+                (i, weakref.ref(p.grad), _version(p.grad))
                 for i, p in enumerate(self.params)
                 if used[i] and p.requires_grad
             ]
@@ -2353,7 +2359,7 @@ class SparseGradientReducer(_Front):
         written = {i for i, _, _ in self._written}
         for i, ref, version in self._written:
             g = self.params[i].grad
-            if g is None or g is not ref() or g._version != version:
+            if g is None or g is not ref() or _version(g) != version:
                 return None
         for i, p in enumerate(self.params):
             if i not in written and p.requires_grad and p.grad is not None:
