@@ -43,6 +43,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 from mpi4py import MPI
@@ -1359,9 +1360,10 @@ class Comm:
         Parameters
         ----------
         code : int, default 1
-            The error code passed to ``MPI_Abort``.
+            The error code passed to ``MPI_Abort``, and this process's exit status should
+            ``MPI_Abort`` return (it never returns: :func:`_mpi_abort`).
         """
-        self._mpi.Abort(code)
+        _mpi_abort(self._mpi, code)
 
     # -- Python objects -----------------------------------------------------------------------
     # Pickled by mpi4py (its lower-case methods), on the host: for states, reports, decisions
@@ -1617,8 +1619,7 @@ def abort_on_exception(comm, code: int = 1, reraise=()):
         _abort(comm, code)
 
 
-def _abort(comm, code: int) -> None:
-    import os
+def _abort(comm, code: int) -> NoReturn:
     import sys
     import time
     import traceback
@@ -1631,7 +1632,14 @@ def _abort(comm, code: int) -> None:
     report = f"spardl: rank {rank} failed; aborting every rank\n" + traceback.format_exc()
     os.write(2, report.encode(errors="replace"))
     time.sleep(0.5)
-    if isinstance(comm, Comm):
-        comm.abort(code)
-    else:
-        comm.Abort(code)
+    _mpi_abort(comm._mpi if isinstance(comm, Comm) else comm, code)
+
+
+def _mpi_abort(mpi_comm, code: int) -> NoReturn:
+    """``MPI_Abort`` that never returns: MPICH's may return before its process manager ends the
+    job, and the failed rank must not run on meanwhile (into code after the failed block, a
+    checkpoint write, a "done" message), so the process then exits with ``code`` at once."""
+    try:
+        mpi_comm.Abort(code)
+    finally:
+        os._exit(code)

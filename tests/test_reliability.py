@@ -14,9 +14,9 @@ import spardl
 @pytest.mark.mpi
 @pytest.mark.parametrize("algorithm", sorted(spardl.ALGORITHMS))
 @pytest.mark.parametrize("mode", ["context", "mpi4py"])
-def test_a_failing_rank_ends_the_job(algorithm, mode):
+def test_a_failing_rank_ends_the_job(algorithm, mode, tmp_path):
     script_mode = "context" if mode == "context" else "plain"
-    args = ["tests/scripts/fault_injection.py", algorithm, script_mode]
+    args = ["tests/scripts/fault_injection.py", algorithm, script_mode, str(tmp_path)]
     if mode == "mpi4py":
         args = ["-m", "mpi4py", *args]
     t0 = time.monotonic()
@@ -25,6 +25,8 @@ def test_a_failing_rank_ends_the_job(algorithm, mode):
     assert proc.returncode != 0
     assert "injected fault" in proc.stderr
     assert "finished" not in proc.stdout
+    time.sleep(1)  # a rank that went on after its MPI_Abort returned has had time to write
+    assert not list(tmp_path.iterdir()), "a rank went on after the failure"
     assert elapsed < 30, f"job took {elapsed:.1f}s to end"
 
 

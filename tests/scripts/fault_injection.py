@@ -1,7 +1,8 @@
 """One rank raises in the middle of a collective; the job must end, not hang.
 
-usage: python tests/scripts/fault_injection.py ALGORITHM MODE
-MODE "context": the loop runs inside spardl.abort_on_exception(comm);
+usage: python tests/scripts/fault_injection.py ALGORITHM MODE [DIR]
+MODE "context": the loop runs inside spardl.abort_on_exception(comm), and a rank that gets past
+the block writes DIR/after-RANK (no rank should: the failing one must not go on);
 MODE "plain": nothing special (run it as `python -m mpi4py fault_injection.py ...`).
 """
 
@@ -44,5 +45,11 @@ def main():
 if mode == "context":
     with spardl.abort_on_exception(comm):
         main()
+    # Never reached by the failing rank: MPI_Abort may return before the process manager
+    # ends the job, and the rank must not go on to code after the block meanwhile. (A file,
+    # since the job's output may be cut off by then.)
+    if len(sys.argv) > 3:
+        with open(f"{sys.argv[3]}/after-{comm.Get_rank()}", "w") as f:
+            f.write("got past the block\n")
 else:
     main()
