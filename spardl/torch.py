@@ -100,6 +100,28 @@ def _local_rank(rank: int) -> int:
     return rank
 
 
+def _refuse_torchrun(mpi_world_size: int) -> None:
+    """ValueError if ``torchrun`` started this process for more processes than MPI's world has.
+
+    Under ``torchrun`` every process is an MPI job of one, so a process group made from MPI would
+    be P groups of one, each training alone, with no error anywhere. ``torchrun`` (torch's
+    elastic agent) marks its processes with ``TORCHELASTIC_RUN_ID`` and their number with
+    ``WORLD_SIZE``.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    try:
+        launched = int(os.environ.get("WORLD_SIZE", ""))
+    except ValueError:
+        return
+    if launched != mpi_world_size:
+        raise ValueError(
+            f"this process was started by torchrun for {launched} processes (WORLD_SIZE), but "
+            f"MPI's world has {mpi_world_size}: each would train alone. Launch with "
+            f"mpiexec -n {launched} python ... instead (spardl's allreduce talks over MPI)"
+        )
+
+
 def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=None) -> tuple:
     """Initialise ``torch.distributed`` from an MPI communicator, so one ``mpiexec`` starts the job.
 
@@ -128,7 +150,9 @@ def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=N
     TypeError
         If ``comm`` is not an mpi4py intracommunicator, or ``backend`` not a string or None.
     ValueError
-        If ``backend`` is "nccl" and this node has no CUDA device.
+        If ``backend`` is "nccl" and this node has no CUDA device, or the process was started
+        by ``torchrun`` for a job of more processes than MPI's world holds (each process is
+        then an MPI job of one: launch with ``mpiexec -n P`` instead).
     """
     import torch.distributed as dist
 
@@ -139,6 +163,7 @@ def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=N
     c = Comm(_world() if comm is None else comm)
     try:
         rank, size = c.rank, c.size
+        _refuse_torchrun(c.size if comm is None else _world().Get_size())
         if dist.is_initialized():
             if dist.get_rank() != rank or dist.get_world_size() != size:
                 raise RuntimeError(
@@ -2165,7 +2190,9 @@ class SparseGradientReducer(_Front):
         their number of elements and order), naming the option that differs; a ``params`` that
         is a single tensor, holds no parameter with ``requires_grad``, or holds one twice; a
         ``factor_masking=False`` without ``momentum_correction`` or a ``warmup_density``
-        without ``density_warmup``. Other messages are those of :func:`spardl.make`.
+        without ``density_warmup``; a process started by ``torchrun`` for more processes than
+        MPI's world holds (each would train alone: launch with ``mpiexec``). Other messages are
+        those of :func:`spardl.make`.
     """
 
     def __init__(
@@ -2186,6 +2213,7 @@ class SparseGradientReducer(_Front):
         err, tech = None, None
         named, frozen = [], []
         try:
+            _refuse_torchrun(_world().Get_size())
             named, frozen = _named_trainable(params)
             self._warmup = _check_warmup(warmup_steps)
             tech = _Techniques(

@@ -93,7 +93,7 @@ def test_cluster_arguments_are_checked():
         (["run", "--nodes", "2", "--bandwidth", "1", "--", "true"], "--bandwidth"),
         (["run", "--nodes", "2", "--report", "/nonexistent/dir/r.json", "--", "true"], "--report"),
         # A directory is refused before the nodes exist, not found out after the command ran.
-        (["run", "--nodes", "2", "--report", "/tmp", "--", "true"], "--report: must be a file name"),
+        (["run", "--nodes", "2", "--report", "/tmp", "--", "true"], "--report: must be a file"),
     ],
 )
 def test_usage_errors_are_one_line_status_2(args, says):

@@ -143,6 +143,17 @@ def test_nccl_without_a_cuda_device_is_a_value_error(monkeypatch):
         st.init_process_group_from_mpi(MPI.COMM_SELF, backend=1)
 
 
+def test_under_torchrun_the_process_group_from_mpi_is_refused(monkeypatch):
+    """torchrun --nproc-per-node 2 makes two MPI jobs of one: each would train alone."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="started by torchrun for 2 processes .* mpiexec -n 2"):
+        st.init_process_group_from_mpi(MPI.COMM_SELF)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="started by torchrun for 2 processes"):
+        st.SparseGradientReducer(torch.nn.Linear(3, 2).parameters(), MPI.COMM_SELF)
+
+
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
