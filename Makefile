@@ -6,6 +6,10 @@
 
 PYTHON ?= python3
 VENV   ?= .venv
+# Extra pip options for the install, e.g. where pip's index serves torch's CUDA build (PyPI's
+# does, several GB) and the CPU build is wanted:
+#   make train PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+PIP_ARGS ?=
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.spardl-installed
 
@@ -15,7 +19,7 @@ STAMP  := $(VENV)/.spardl-installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[mpi,torch,test]'
+	$(PY) -m pip install -q $(PIP_ARGS) -c constraints.txt -e '.[mpi,torch,test]'
 	touch $(STAMP)
 
 install: $(STAMP)
