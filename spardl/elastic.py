@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._checks import check_int, malformed
+from ._checks import check_density, check_int, malformed
 from .algorithms.base import Allreducer, collective_check
 from .comm import Comm, name_hash
 from .dtypes import work_dtype
@@ -77,6 +77,9 @@ VERSION = 1
 #: Traffic counters of ``stats``: a rank that did not exist in the old world starts them at 0.
 _TRAFFIC = ("messages", "bytes_sent", "bytes_received", "control_messages")
 _TAG = 0x5D1  # save_checkpoint's point-to-point messages (on the control communicator)
+
+
+_MAX_WORLD_SIZE = 2**31 - 1  # MPI's ranks are C ints
 
 
 def folded_ranks(world_size: int, new_world_size: int, rank: int) -> list[int]:
@@ -103,7 +106,8 @@ def folded_ranks(world_size: int, new_world_size: int, rank: int) -> list[int]:
     TypeError
         If an argument is not an integer (a bool is not one).
     ValueError
-        If a size is < 1 or ``rank`` is outside [0, P').
+        If a size is outside [1, 2**31 − 1] (MPI's ranks are C ints) or ``rank`` is outside
+        [0, P').
 
     Notes
     -----
@@ -111,8 +115,8 @@ def folded_ranks(world_size: int, new_world_size: int, rank: int) -> list[int]:
     shrinking sums the fewest residuals per new rank.
     """
     for name, v in (("world_size", world_size), ("new_world_size", new_world_size)):
-        if check_int(name, v) < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not 1 <= check_int(name, v) <= _MAX_WORLD_SIZE:
+            raise ValueError(f"{name} must be an integer in [1, 2**31 - 1], got {v!r}")
     if not 0 <= check_int("rank", rank) < new_world_size:
         raise ValueError(f"rank must be in [0, {new_world_size}), got {rank}")
     return list(range(int(rank), int(world_size), int(new_world_size)))
@@ -272,6 +276,11 @@ def _fold_allreducer(states, template, world_size, new_world_size, rank) -> dict
                 f"the residual of old rank {r} has shape {getattr(res, 'shape', None)}, "
                 f"expected ({n},)"
             )
+        if np.asarray(res).dtype != work:  # as load_state_dict: never converted silently
+            raise TypeError(
+                f"the residual of old rank {r} has dtype {np.asarray(res).dtype}; a "
+                f"{template['dtype']} gradient's residual is {work}"
+            )
         residuals.append(res)
     out["residual"] = _fold_sum(residuals, work) if residuals else np.zeros(n, work)
     return out
@@ -341,7 +350,10 @@ def _load_folded(ar: Allreducer, state: dict) -> None:
         raise ValueError(
             f"state residual has shape {getattr(res, 'shape', None)}, expected ({ar.n},)"
         )
-    density = float(state.get("density", ar.density))
+    # The checks of load_state_dict at the same size: counters, dtype, a finite residual.
+    ar._check_loaded_counters(state)
+    ar._check_loaded_residual(state["dtype"], res)
+    density = check_density("state density", state.get("density", ar.density))
     ar._validate_common(ar.n, density, ar.op, ar.residual_mode, ar.nonfinite, ar.check)
     saved = ar._snapshot()
     try:
@@ -373,10 +385,16 @@ def _prepare(obj, states, world_size):
     """This rank's part of a load: ("same", its own state) or ("folded", the folded state)."""
     comm = _control(obj)
     P = world_size
-    if check_int("world_size", P) < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {P!r}")
+    if not 1 <= check_int("world_size", P) <= _MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be an integer in [1, 2**31 - 1], got {P!r}")
     if not isinstance(states, dict):
         raise TypeError(f"states must be a dict of old rank -> state, got {type(states).__name__}")
+    wanted = 1 if P == comm.size else len(range(comm.rank, int(P), comm.size))
+    if wanted > len(states):  # before listing them: a huge world_size is no MemoryError
+        raise ValueError(
+            f"this rank needs the states of {wanted} old rank(s) of {P}, and {len(states)} "
+            "are given"
+        )
     need = folded_ranks(int(P), comm.size, comm.rank)
     missing = [r for r in need if r not in states]
     if missing:
@@ -474,12 +492,12 @@ def _load(obj, states, world_size, err) -> None:
         raise
 
 
-def _agree_on_save(comm: Comm, obj, what: str, root, none: bool, path=...) -> None:
+def _agree_on_save(comm: Comm, obj, what: str, root, none: bool, path=...) -> str | None:
     """The collective check that starts a save or a gather: every rank is in the same one,
     with the same valid root (None, where ``none``: every rank) and the same ``path`` (a save),
     so a rank that is elsewhere (stepping, say) makes every rank raise instead of leaving the
     root waiting for its state, and no rank believes it saved to a file that was not
-    written."""
+    written. Returns the path as a str (bytes decoded), or None for a gather."""
     err = None
     try:
         if root is not None or not none:
@@ -493,6 +511,8 @@ def _agree_on_save(comm: Comm, obj, what: str, root, none: bool, path=...) -> No
                 raise TypeError(
                     f"path must be a str or os.PathLike, got {type(path).__name__}"
                 ) from None
+            if not Path(path).name:  # "", ".", "/": the root could not name its temporary file
+                raise ValueError(f"path must name a file, got {path!r}")
     except (TypeError, ValueError) as e:
         err = e
     field = -1 if root is None or err is not None else int(root)
@@ -503,6 +523,7 @@ def _agree_on_save(comm: Comm, obj, what: str, root, none: bool, path=...) -> No
         fields.append(name_hash(path) if ok else -1)
         described["path"] = path if ok else None
     collective_check(comm, err, fields, described)
+    return None if path is ... else path
 
 
 def gather_state(obj, root: int | None = 0) -> dict | None:
@@ -697,7 +718,8 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
     TypeError
         If ``obj`` is not one of the three kinds (on this rank, before any message).
     ValueError, TypeError
-        On every rank, if ``root`` is not a rank, ``path`` is not a path, or the ranks are not
+        On every rank, if ``root`` is not a rank, ``path`` is not a path (or names no file:
+        "", "."), or the ranks are not
         all in this save with the same root and the same ``path`` (one stepping while the
         others save, say, or a path that names each rank: the file is one, and every rank
         loads it from the same path).
@@ -711,7 +733,7 @@ def save_checkpoint(obj, path, root: int = 0) -> None:
     """
     _open_kind(obj)
     comm = _control(obj)
-    _agree_on_save(comm, obj, "save_checkpoint", root, none=False, path=path)
+    path = _agree_on_save(comm, obj, "save_checkpoint", root, none=False, path=path)
     header = _header(obj, comm.size)  # on every rank: no rank may fail alone after a message
     state = _local_state(obj)
     err = None
@@ -777,8 +799,9 @@ def load_checkpoint(obj, path) -> None:
     ------
     TypeError, ValueError
         On every rank, as :func:`load_rank_states`; ValueError also if some rank cannot read
-        the file or it is not an elastic checkpoint, or was saved with another algorithm, kind
-        of object or (an allreducer) n.
+        the file (whatever the damage: a missing or corrupt entry, malformed JSON) or it is
+        not an elastic checkpoint, or was saved with another algorithm, kind of object or (an
+        allreducer) n.
     """
     _open_kind(obj)
     comm = _control(obj)
@@ -786,12 +809,21 @@ def load_checkpoint(obj, path) -> None:
     try:
         with zipfile.ZipFile(path) as zf:
             P = _check_header(obj, json.loads(zf.read("header.json")))
+            zf.getinfo(f"rank{P - 1}/state.json")  # the file holds P ranks (KeyError if not)
             need = folded_ranks(P, comm.size, comm.rank)
             states = {r: _read_state(zf, r) for r in need}
             if not need:
                 states[0] = _read_state(zf, 0, arrays=False)
-    except ValueError as e:
+    except _NotReadable as e:
+        err = ValueError(f"cannot read the checkpoint {path} ({type(e).__name__}: {e})")
+    except ValueError as e:  # the header's own checks
         err = e
-    except (OSError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever a damaged entry raises on this rank alone
+        # (a RecursionError, zlib.error, MemoryError, TypeError from its JSON) must reach every
+        # rank as the collective error below, never leave the others waiting for this one.
         err = ValueError(f"cannot read the checkpoint {path} ({type(e).__name__}: {e})")
     _load(obj, states, P, err)
+
+
+# ValueErrors of reading, not of the header's checks.
+_NotReadable = (json.JSONDecodeError, UnicodeDecodeError, zipfile.BadZipFile)

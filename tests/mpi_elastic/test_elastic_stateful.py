@@ -424,3 +424,115 @@ def test_a_save_or_gather_on_one_rank_while_the_others_step_fails_everywhere():
     assert not any(f.startswith("mismatched.zip") for f in os.listdir(DIR))
     _free(ar)
     WORLD.Barrier()
+
+
+def _damaged(path: str, name: str, edit) -> str:
+    """A copy of the checkpoint ``path`` with entry ``name`` replaced by ``edit(its bytes)``
+    (written by rank 0; every rank gets its path)."""
+    import zipfile
+
+    out = os.path.join(DIR, f"damaged-{name.replace('/', '-')}-{len(os.listdir(DIR))}.zip")
+    out = WORLD.bcast(out, root=0)
+    if ME == 0:
+        with zipfile.ZipFile(path) as zin, zipfile.ZipFile(out, "w") as zout:
+            for item in zin.namelist():
+                data = zin.read(item)
+                zout.writestr(item, edit(data) if item == name else data)
+    WORLD.Barrier()
+    return out
+
+
+def _with(key, value):
+    def edit(data: bytes) -> bytes:
+        import json
+
+        doc = json.loads(data)
+        doc[key] = value
+        return json.dumps(doc).encode()
+
+    return edit
+
+
+def test_a_damaged_entry_is_refused_on_every_rank():
+    """An entry only one rank reads (its own state) that raises something other than the usual
+    read errors (a TypeError from its JSON, a RecursionError, a huge world size) once made that
+    rank raise alone while the others waited for it: every rank must raise a ValueError, with
+    its state unchanged, at the same world size and at another."""
+    _, path = _saved()
+    last = f"rank{W - 1}/state.json"
+    files = [
+        _damaged(path, last, _with("extra", {"__tuple__": 5})),
+        _damaged(path, last, _with("extra", {"__items__": [[{"a": 1}, 2]]})),
+        _damaged(path, last, lambda _: b"[" * 100_000 + b"]" * 100_000),
+        _damaged(path, "header.json", _with("world_size", 10**15)),
+    ]
+    for P in dict.fromkeys((W, max(1, W - 1))):
+        sub = _world_of(P)
+        if sub is not None:
+            ar = spardl.make("spardl", sub, 24, density=0.2)
+            ar(np.ones(24, np.float32))
+            before = ar.state_dict()
+            for bad in files[: 4 if P == W else 3] if W > 1 else files[3:]:
+                with pytest.raises(ValueError, match="cannot read the checkpoint"):
+                    elastic.load_checkpoint(ar, bad)
+                same_state(before, ar.state_dict())
+            _free(ar)
+            sub.Free()
+        WORLD.Barrier()
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"step": -5, "calls": -5}, ValueError, "state step must be in"),
+        ({"step": "7"}, TypeError, "state step must be an integer"),
+        ({"step": 2.9}, TypeError, "state step must be an integer"),
+        ({"density": "0.5"}, TypeError, "state density"),
+        ({"residual": "nan"}, ValueError, "holds NaN or Inf"),
+        ({"residual": "float64"}, TypeError, r"residual of old rank \d+ has dtype float64"),
+    ],
+)
+def test_a_folded_load_checks_the_states_as_a_same_size_load_does(change, error, message):
+    """Loaded at another world size, states once went in unchecked (a negative step, a string
+    density, a NaN residual into nonfinite="raise", which then failed every later step, a
+    float64 residual cast silently): the same errors as load_state_dict, on every rank."""
+    gathered, _ = _saved()
+    states = dict(enumerate(WORLD.bcast(gathered, root=0)["states"]))
+    P = max(1, W - 1)
+    sub = _world_of(P) if P != W else None
+    if sub is not None:
+        ar = spardl.make("spardl", sub, 24, density=0.2)
+        ar(np.ones(24, np.float32))
+        before = ar.state_dict()
+        bad = {}
+        for r, st in states.items():
+            st = {**st, **change}
+            if change.get("residual") == "nan":
+                st["residual"] = np.full(24, np.nan, np.float32)
+            elif change.get("residual") == "float64":
+                st["residual"] = np.asarray(states[r]["residual"], np.float64)
+            bad[r] = st
+        with pytest.raises(error, match=message):
+            elastic.load_rank_states(ar, bad, W)
+        same_state(before, ar.state_dict())
+        _free(ar)
+        sub.Free()
+    WORLD.Barrier()
+
+
+def test_a_path_in_bytes_is_saved_and_one_naming_no_file_is_refused_everywhere():
+    """A bytes path (os.PathLike's other form) once failed on the root alone, after the check
+    every rank passed, and an empty one likewise: the others waited for it."""
+    ar = spardl.make("spardl", WORLD, 24, density=0.2)
+    ar(np.arange(24, dtype=np.float32) * (ME + 1))
+    path = os.path.join(DIR, "bytes-path.zip")
+    elastic.save_checkpoint(ar, os.fsencode(path))
+    before = ar.state_dict()
+    elastic.load_checkpoint(ar, path)
+    same_state(before, ar.state_dict())
+    for bad in ("", ".", b""):
+        with pytest.raises(ValueError, match="path must name a file"):
+            elastic.save_checkpoint(ar, bad)
+    assert ar.step == 1
+    _free(ar)
+    WORLD.Barrier()
