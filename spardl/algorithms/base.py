@@ -709,7 +709,8 @@ class Allreducer:
             ``algorithm`` (str), ``n``, ``world_size`` (P), ``rank``, ``step`` and ``calls``
             (int), ``density`` (ρ, float), ``dtype`` (str, or None before the first call),
             ``residual`` (ndarray of shape (n,) in the work dtype, zeros with
-            ``residual="none"``; None before the first call) and ``extra`` (dict: the
+            ``residual="none"``; None before the first call, and always for ``"dense"``,
+            which drops nothing and keeps no residual) and ``extra`` (dict: the
             algorithm's own state,
             e.g. thresholds, budgets, region boundaries). Not a view: later calls leave it
             unchanged. :meth:`load_state_dict` takes it back, at this world size;
