@@ -59,6 +59,8 @@ __all__ = [
 SUBNET = "198.18.0"
 HEAD_ADDRESS = f"{SUBNET}.254"
 MAX_NODES = 250
+#: Ranks per node: far more processes than one machine runs (and mpiexec's -n stays an int).
+MAX_RANKS_PER_NODE = 1024
 #: Link rates the emulation accepts, in bits per second: below 1 Mbit/s an MPI job's start-up
 #: alone takes minutes; above 100 Gbit/s the shaping is not what limits a veth pair.
 MIN_RATE, MAX_RATE = 1e6, 1e11
@@ -220,7 +222,8 @@ def _remove_prefix(prefix: str) -> list[str]:
 
 
 def sweep() -> list[str]:
-    """Remove the namespaces of cluster runs whose launcher process no longer exists.
+    """Remove the namespaces and scratch folders of cluster runs whose launcher process no
+    longer exists.
 
     Returns
     -------
@@ -237,6 +240,13 @@ def sweep() -> list[str]:
     removed = []
     for prefix in dead:
         removed += _remove_prefix(prefix)
+    # The scratch folders of such runs (Cluster's mkdtemp, named by the same prefix): the
+    # janitor removes them, unless it was killed too.
+    scratch = Path(tempfile.gettempdir())
+    for d in scratch.glob("spardl-*"):
+        m = _PREFIX_RE.match(d.name)
+        if m and d.is_dir() and not d.is_symlink() and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(d, ignore_errors=True)
     return removed
 
 
@@ -349,8 +359,8 @@ class Cluster:
     nodes : int
         N, the number of nodes, 1 ≤ N ≤ 250.
     ranks_per_node : int, default 1
-        R, MPI ranks started on each node (world size N·R, ranks placed node by node: ranks
-        0 … R−1 on node 0, and so on).
+        R, MPI ranks started on each node, 1 ≤ R ≤ 1024 (world size N·R, ranks placed node by
+        node: ranks 0 … R−1 on node 0, and so on).
     bandwidth : str, default "1gbit"
         Each node's link rate in ``tc`` syntax, applied in both directions.
     latency : str, optional
@@ -379,8 +389,10 @@ class Cluster:
         check_int("ranks_per_node", ranks_per_node, numpy=False)
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be in [1, {MAX_NODES}], got {nodes}")
-        if ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+        if not 1 <= ranks_per_node <= MAX_RANKS_PER_NODE:
+            raise ValueError(
+                f"ranks_per_node must be in [1, {MAX_RANKS_PER_NODE}], got {ranks_per_node}"
+            )
         self.nodes = nodes
         self.ranks_per_node = ranks_per_node
         self.bandwidth = str(bandwidth)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from mpirun import ROOT, run_mpi
@@ -76,6 +77,8 @@ def test_parse_time(text, s):
 def test_cluster_arguments_are_checked():
     with pytest.raises(ValueError, match="nodes"):
         cluster.Cluster(0)
+    with pytest.raises(ValueError, match="ranks_per_node must be in"):
+        cluster.Cluster(2, ranks_per_node=cluster.MAX_RANKS_PER_NODE + 1)
     with pytest.raises(TypeError, match="ranks_per_node"):
         cluster.Cluster(2, ranks_per_node=1.5)
     with pytest.raises(ValueError, match="rate"):
@@ -94,6 +97,11 @@ def test_cluster_arguments_are_checked():
         (["run", "--nodes", "2", "--report", "/nonexistent/dir/r.json", "--", "true"], "--report"),
         # A directory is refused before the nodes exist, not found out after the command ran.
         (["run", "--nodes", "2", "--report", "/tmp", "--", "true"], "--report: must be a file"),
+        # mpiexec ran with -n 4294967296 and spun until killed.
+        (["run", "--nodes", "2", "-R", "2147483648", "--", "true"], "--ranks-per-node"),
+        # An option where the program goes: mpiexec took it as its own.
+        (["run", "--nodes", "1", "--", "--version"], "must start with a program"),
+        (["run", "--nodes", "1", "--", ""], "must start with a program"),
     ],
 )
 def test_usage_errors_are_one_line_status_2(args, says):
@@ -201,9 +209,10 @@ def _sigint_default() -> None:
 
 @pytest.mark.cluster
 @needs_cluster
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_killed_launcher_leaves_nothing(sig, tmp_path):
-    """Ctrl-C, a TERM and even a KILL of the launcher: every namespace and process goes."""
+    """Ctrl-C, a TERM, a hangup (a closed terminal: MPI's libraries had caught it, and the run
+    went on) and even a KILL of the launcher: every namespace and process goes."""
     err = tmp_path / "launcher.err"
     launcher = subprocess.Popen(
         [*SPARDL, "cluster", "run", "-q", "--nodes", "2", "--", "sleep", "120"],
@@ -291,3 +300,23 @@ def test_two_clusters_at_once_do_not_collide():
         b.destroy()
         assert set(a.node_names) <= set(cluster._namespaces())
         assert not set(b.node_names) & set(cluster._namespaces())
+
+
+@pytest.mark.skipif(shutil.which("ip") is None, reason="needs the ip command")
+def test_sweep_removes_the_scratch_folder_of_a_dead_run():
+    """A run whose launcher and janitor were both killed left its scratch folder, which sweep
+    did not remove; a live run's folder (this process's prefix) stays."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert not cluster._pid_alive(dead.pid)
+    base = tempfile.gettempdir()
+    gone = tempfile.mkdtemp(prefix=f"spardl-{dead.pid}-abc123-", dir=base)
+    (Path(gone) / "launch-node").write_text("#!/bin/sh\n")
+    live = tempfile.mkdtemp(prefix=f"spardl-{os.getpid()}-abc123-", dir=base)
+    try:
+        cluster.sweep()
+        assert not os.path.exists(gone)
+        assert os.path.isdir(live)
+    finally:
+        shutil.rmtree(gone, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)

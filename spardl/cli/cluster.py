@@ -55,6 +55,15 @@ def _nodes_type(text: str) -> int:
     return v
 
 
+def _ranks_type(text: str) -> int:
+    from ..cluster import MAX_RANKS_PER_NODE
+
+    v = POSITIVE_INT(text)
+    if v > MAX_RANKS_PER_NODE:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_RANKS_PER_NODE}], got {v}")
+    return v
+
+
 def add_cluster(sub) -> None:
     """Register ``spardl cluster`` and its subcommands on ``sub`` (an argparse subparsers)."""
     p = sub.add_parser(
@@ -73,7 +82,9 @@ def add_cluster(sub) -> None:
         "Ctrl-C, failure or timeout) and exits with the command's status.",
     )
     r.add_argument("--nodes", "-N", type=_nodes_type, required=True, help="N, 1 to 250")
-    r.add_argument("--ranks-per-node", "-R", type=POSITIVE_INT, default=1, help="R (default 1)")
+    r.add_argument(
+        "--ranks-per-node", "-R", type=_ranks_type, default=1, help="R, 1 to 1024 (default 1)"
+    )
     r.add_argument(
         "--bandwidth",
         type=rate_type,
@@ -142,10 +153,15 @@ def _cmd_run(args) -> int:
         command = command[1:]
     if not command:
         return _error("no command given (spardl cluster run --nodes N -- COMMAND [ARGS...])")
+    if not command[0] or command[0].startswith("-"):
+        # mpiexec would take it as one of its own options (or an empty program name).
+        return _error(f"the command must start with a program, got {command[0]!r}")
     problem = check_quick()
     if problem:
         return _error(problem)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGHUP (a closed terminal or SSH session) ends the run as SIGTERM does, with everything
+    # removed. Set here, after the imports: MPI's libraries may install their own handler.
+    previous = {sig: signal.signal(sig, _on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
     # SIGUSR1 prints every thread's stack to stderr: how a launcher that does not exit can be
     # asked where it waits (tests/test_cluster.py does when one is late).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -164,7 +180,8 @@ def _cmd_run(args) -> int:
         print("spardl cluster: interrupted; everything removed", file=sys.stderr, flush=True)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if proc.returncode == 124 and args.timeout is not None:
         print(f"spardl cluster: timed out after {args.timeout:g} s", file=sys.stderr, flush=True)
     if not args.quiet:
