@@ -51,7 +51,7 @@ from mpi4py import MPI
 from spardl_kernels.cpu import wire as wire_codec
 
 from . import _arrays as A
-from ._checks import check_bool, check_choice, check_int, type_name
+from ._checks import check_bool, check_choice, check_int, check_int_at_least, type_name
 
 __all__ = [
     "Comm",
@@ -178,7 +178,15 @@ def wire_index_dtype(max_block_length: int) -> np.dtype:
     -------
     numpy.dtype
         int32 when ``max_block_length`` ≤ 2^31 − 1, else int64.
+
+    Raises
+    ------
+    TypeError
+        If ``max_block_length`` is not an integer (Python or NumPy; a bool is not).
+    ValueError
+        If ``max_block_length`` is negative.
     """
+    check_int_at_least("max_block_length", max_block_length, 0)
     return np.dtype(np.int32) if max_block_length <= _INT32_MAX else np.dtype(np.int64)
 
 
@@ -312,20 +320,37 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
     Raises
     ------
     ValueError
-        If ``blocks`` and ``starts`` differ in length.
+        If ``blocks`` and ``starts`` differ in length, a block's values are not of its indices'
+        shape, or (host blocks) a block's count or block-relative indices do not fit
+        ``index_dtype`` (they would wrap on the wire).
 
     Notes
     -----
     The "coo" wire format of docs/design.md §2.1.
+
+    The checks cost O(number of blocks), never a pass over the data: the range check reads
+    each block's first and last index, which bound the block's indices since they are
+    ascending. Device blocks have their shapes checked, not their contents. The allreducers
+    choose ``index_dtype`` with :func:`wire_index_dtype` from their longest block's length (or
+    n), so their indices always fit and never meet this error.
     """
     index_dtype = np.dtype(index_dtype)
     value_dtype = np.dtype(value_dtype)
     if any(A.is_device(a) for b in blocks for a in b):
+        for j, (idx, val) in enumerate(blocks):
+            if np.shape(val) != np.shape(idx):
+                raise ValueError(
+                    f"blocks[{j}]: values must have the shape of the indices, "
+                    f"{np.shape(idx)}, got {np.shape(val)}"
+                )
         return _pack_device(blocks, starts, index_dtype, value_dtype)
     nb = len(blocks)
     counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
     total = int(counts.sum())
     isz, vsz = index_dtype.itemsize, value_dtype.itemsize
+    # the range of a wire index (that of the integer dtype; another dtype is not checked)
+    checked, signed = index_dtype.kind in "iu", index_dtype.kind == "i"
+    lo, hi = -signed << (8 * isz - 1), (1 << (8 * isz - signed)) - 1
     head = _align8((nb + total) * isz)
     buf = np.empty(head + total * vsz, dtype=np.uint8)
     buf[(nb + total) * isz : head] = 0  # the padding: no uninitialised bytes on the wire
@@ -333,8 +358,26 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
     ints[:nb] = counts
     vals = buf[head:].view(value_dtype)
     pos = 0
-    for (idx, val), start in zip(blocks, starts, strict=True):
+    for j, ((idx, val), start) in enumerate(zip(blocks, starts, strict=True)):
         c = len(idx)
+        if (val.shape if type(val) is np.ndarray else np.shape(val)) != (c,):
+            raise ValueError(
+                f"blocks[{j}]: values must have the shape of the indices, ({c},), got "
+                f"{np.shape(val)}"
+            )
+        if c and checked:  # an ascending block lies between its first and last index
+            s0 = int(start)
+            first, last = int(idx[0]) - s0, int(idx[-1]) - s0
+            if c > hi:
+                raise ValueError(
+                    f"blocks[{j}] holds {c} pairs, more than index_dtype {index_dtype} can "
+                    f"count ({hi})"
+                )
+            if first < lo or last > hi:
+                raise ValueError(
+                    f"blocks[{j}]: indices relative to start {s0} span {first} … {last}, "
+                    f"outside the range [{lo}, {hi}] of index_dtype {index_dtype}"
+                )
         if c:
             np.subtract(idx, start, out=ints[nb + pos : nb + pos + c], casting="unsafe")
             vals[pos : pos + c] = val
@@ -388,18 +431,34 @@ def unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype):
     Raises
     ------
     ValueError
-        If the buffer's length is not the one its own header announces (a corrupt or
-        mismatched message).
+        If the buffer's length is not the one its own header announces, or (host ``buf``) the
+        header announces a negative count (a corrupt or mismatched message); if ``nblocks`` is
+        negative, ``starts`` does not hold ``nblocks`` positions, or a host ``buf`` is not 1-D.
+    TypeError
+        If ``nblocks`` is not an integer, ``starts`` not a sequence, or ``buf`` neither a
+        uint8 NumPy array nor a device array.
     """
     index_dtype = np.dtype(index_dtype)
     value_dtype = np.dtype(value_dtype)
+    nblocks = check_int_at_least("nblocks", nblocks, 0)
+    if not hasattr(starts, "__len__"):
+        raise TypeError(f"starts must be a sequence of int, got {type_name(starts)}")
+    if len(starts) != nblocks:
+        raise ValueError(f"starts must hold nblocks = {nblocks} positions, got {len(starts)}")
     if A.is_device(buf):
         return _unpack_device(buf, nblocks, starts, index_dtype, value_dtype)
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8:
+        got = f"dtype {buf.dtype}" if isinstance(buf, np.ndarray) else type_name(buf)
+        raise TypeError(f"buf must be a uint8 NumPy array or a device array, got {got}")
+    if buf.ndim != 1:
+        raise ValueError(f"buf must be 1-D, got shape {buf.shape}")
     isz, vsz = index_dtype.itemsize, value_dtype.itemsize
     if len(buf) < nblocks * isz:
         raise ValueError("received message shorter than its block header")
     counts = buf[: nblocks * isz].view(index_dtype).astype(np.int64)
     total = int(counts.sum())
+    if total < 0:  # a negative count; the loop below finds those the total hides
+        raise ValueError(f"received message's header announces negative counts (total {total})")
     head = _align8((nblocks + total) * isz)
     if len(buf) != head + total * vsz:
         raise ValueError(
@@ -411,6 +470,8 @@ def unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype):
     pos = 0
     for b in range(nblocks):
         c = int(counts[b])
+        if c < 0:  # the total may still match the buffer's length
+            raise ValueError(f"received message's header announces a negative count ({c})")
         idx = rel[pos : pos + c].astype(np.int64)
         idx += int(starts[b])
         out.append((idx, vals[pos : pos + c].copy()))
@@ -620,8 +681,13 @@ def wire_capacity(nblocks: int, max_pairs: int, index_dtype, value_dtype, wire="
     Raises
     ------
     TypeError
+        If ``nblocks`` or ``max_pairs`` is not an integer (Python or NumPy; a bool is not);
         "compact": if ``value_dtype`` is not float32 or float64.
+    ValueError
+        If ``nblocks`` or ``max_pairs`` is negative.
     """
+    check_int_at_least("nblocks", nblocks, 0)
+    check_int_at_least("max_pairs", max_pairs, 0)
     if wire == "coo":
         return packed_capacity(nblocks, max_pairs, index_dtype, value_dtype)
     isz = np.dtype(index_dtype).itemsize

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_int_at_least
+from ._checks import check_int_at_least, type_name
 
 __all__ = ["SparseResult"]
 
@@ -15,7 +15,8 @@ class SparseResult:
     Parameters
     ----------
     indices : array_like of shape (nnz,), integer dtype
-        Strictly ascending positions in ``[0, n)`` (kept as int64).
+        Strictly ascending positions in ``[0, n)`` (kept as int64). An empty list or tuple
+        (whose NumPy dtype would be float64) is taken as int64.
     values : array_like of shape (nnz,), floating dtype
         The value at each position.
     n : int
@@ -73,7 +74,10 @@ class SparseResult:
         n = check_int_at_least("n", n, 0)
         device = A.is_device(indices) or A.is_device(values)
         if not device:
+            listed = isinstance(indices, (list, tuple))
             indices, values = np.asarray(indices), np.asarray(values)
+            if listed and indices.shape == (0,):  # [] has no dtype of its own
+                indices = indices.astype(np.int64)
             if indices.dtype == object or values.dtype == object:
                 raise TypeError("indices and values must be arrays of numbers")
         for name, a in (("indices", indices), ("values", values)):
@@ -124,7 +128,25 @@ class SparseResult:
         -------
         SparseResult
             ``n = len(vector)``; :attr:`indices` and :attr:`values` are made on first read.
+
+        Raises
+        ------
+        TypeError
+            If ``vector`` is not a NumPy or device array (a list, say) or not of a floating
+            dtype.
+        ValueError
+            If ``vector`` is not 1-D.
         """
+        from . import _arrays as A
+
+        if not (isinstance(vector, np.ndarray) or A.is_device(vector)):
+            raise TypeError(
+                f"vector must be a NumPy array or a device array, got {type_name(vector)}"
+            )
+        if len(vector.shape) != 1:
+            raise ValueError(f"vector must be 1-D, got shape {tuple(vector.shape)}")
+        if np.dtype(vector.dtype).kind != "f":
+            raise TypeError(f"vector must have a floating dtype, got {np.dtype(vector.dtype)}")
         out = cls._of(None, None, int(vector.shape[0]))
         object.__setattr__(out, "_dense", vector)
         return out

@@ -44,9 +44,12 @@ def num_rounds(P: int) -> int:
 
     Raises
     ------
+    TypeError
+        If P is not a Python int (a bool or a NumPy integer is not), as in :func:`srs_schedule`.
     ValueError
         If P < 1.
     """
+    check_int("P", P, numpy=False)
     if P < 1:
         raise ValueError(f"P must be >= 1, got {P}")
     return (P - 1).bit_length()
