@@ -273,3 +273,23 @@ def test_the_demo_summary_states_bytes_without_a_meaningless_ratio():
     # At a density near 1 SparDL sends indices beside every value: more than dense.
     assert "(2.0x more)" in bytes_sentence(100_000, 50_000)
     assert "(as many)" in bytes_sentence(50_000, 50_000)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # mpiexec took any -n; across emulated links, 251 nodes was a traceback from Cluster.
+        (["-n", "2000"], "--world-size/-n: must be an integer in [1, 1024]"),
+        (["-n", "251", "--bandwidth", "1gbit"], "--bandwidth: at most 250 emulated nodes"),
+    ],
+)
+def test_demo_refuses_a_world_it_cannot_run_before_any_run(argv, message, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "spardl", "demo", *argv, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing ran

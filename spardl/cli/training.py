@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..mpiexec import mpiexec_path
 from .cluster import rate_type
-from .common import DENSITY, POSITIVE_FLOAT, POSITIVE_INT, SEED, run_collective
+from .common import DENSITY, POSITIVE_FLOAT, POSITIVE_INT, SEED, option_type, run_collective
 
 __all__ = ["add_train", "add_demo", "launch_train"]
 
@@ -99,7 +99,11 @@ def add_demo(sub) -> None:
         "accuracy, bytes per rank and wall time side by side.",
     )
     p.add_argument(
-        "--world-size", "-n", type=POSITIVE_INT, default=4, help="P (default: %(default)s)"
+        "--world-size",
+        "-n",
+        type=option_type(int, lambda v: 1 <= v <= 1024, "an integer in [1, 1024]"),
+        default=4,
+        help="P, 1 to 1024; with --bandwidth, one node each: at most 250 (default: %(default)s)",
     )
     p.add_argument("--density", type=DENSITY, default=0.01, help="default: %(default)s")
     p.add_argument("--epochs", type=POSITIVE_INT, default=None, help="default: the train default")
@@ -155,9 +159,11 @@ def _cmd_demo(args) -> int:
     ]
     bandwidth = getattr(args, "bandwidth", None)
     if bandwidth is not None:
-        from ..cluster import check_quick
+        from ..cluster import MAX_NODES, check_quick
 
         problem = check_quick()
+        if args.world_size > MAX_NODES:  # one node per rank
+            problem = f"at most {MAX_NODES} emulated nodes, and --world-size is {args.world_size}"
         if problem:
             print(f"spardl demo: error: --bandwidth: {problem}", file=sys.stderr)
             return 2
