@@ -86,6 +86,9 @@ def test_model_overrides_plot_and_errors(tmp_path):
     [
         (["--alpha", "inf"], "alpha must be a finite number >= 0"),
         (["--alpha", "1e308", "--beta", "1e308", "--P", "4096"], "not finite"),
+        # A world size past a C int printed rows of 5e18 seconds.
+        (["--P", "99999999999999999999999"], "--P must be integers in [1, 2**31 - 1]"),
+        (["--P", "2-4294967296"], "--P must be integers in [1, 2**31 - 1]"),
         (["--plot", "{tmp}/missing/x.png"], "does not exist"),
         (["--plot", "{tmp}/x.xyz"], "--plot: must end in one of"),
         (["--plot", "{tmp}"], "--plot: must be a file name"),
@@ -211,8 +214,15 @@ def test_pingpong_rejects_bad_arguments_before_measuring(kwargs, kind, message):
     "argv, message",
     [
         (["--repeat", "0"], "argument --repeat: must be an integer >= 1, got 0"),
-        (["--sizes", "8,0"], "argument --sizes: must be comma-separated byte counts >= 1"),
-        (["--sizes", "abc"], "argument --sizes: expected comma-separated byte counts >= 1"),
+        (["--sizes", "8,0"], "argument --sizes: must be comma-separated byte counts in [1, "),
+        (["--sizes", "abc"], "argument --sizes: expected comma-separated byte counts in [1, "),
+        # One size (or one repeated) cannot fit alpha and beta: it was found after measuring,
+        # and aborted the MPI job.
+        (["--sizes", "8"], "at least two distinct, got 8"),
+        (["--sizes", "8,8"], "at least two distinct, got 8,8"),
+        (["--sizes", "8", "--repeat", "5", "--no-gamma"], "at least two distinct, got 8"),
+        (["--sizes", ","], "argument --sizes: must be comma-separated byte counts"),
+        (["--sizes", f"8,{2**31}"], "byte counts in [1, 2**31 - 1], at least two distinct, got"),
     ],
 )
 def test_bench_pingpong_usage_errors(argv, message, capsys):
@@ -227,10 +237,13 @@ def test_bench_pingpong_usage_errors(argv, message, capsys):
 @pytest.mark.parametrize(
     "P, argv, message",
     [
-        (1, ["--sizes", "8"], "bench pingpong needs at least 2 ranks"),
-        (2, ["--sizes", "8", "--json", "/nonexistent-dir/pp.json"], "--json: cannot write"),
+        (1, ["--sizes", "8,16"], "bench pingpong needs at least 2 ranks"),
+        (2, ["--sizes", "8,16", "--json", "/nonexistent-dir/pp.json"], "--json: cannot write"),
         # A directory was taken (its parent is writable) and failed after the measurement.
-        (2, ["--sizes", "8", "--json", "/tmp"], "--json: must be a file name"),
+        (2, ["--sizes", "8,16", "--json", "/tmp"], "--json: must be a file name"),
+        # Refused by the parser on every rank, before any measurement (it aborted the job).
+        (2, ["--sizes", "8", "--repeat", "5", "--no-gamma"], "at least two distinct, got 8"),
+        (2, ["--sizes", "8,8", "--repeat", "5", "--no-gamma"], "at least two distinct, got 8,8"),
     ],
 )
 def test_bench_pingpong_run_time_usage_errors(P, argv, message):

@@ -42,6 +42,9 @@ MODELS = {
 }
 
 
+_MAX_P = 2**31 - 1  # an MPI world's size is a C int
+
+
 def parse_P(text: str) -> list[int]:
     """World sizes from ``"256"``, ``"8,64,256"`` or a range ``"2-4096"``.
 
@@ -50,7 +53,7 @@ def parse_P(text: str) -> list[int]:
     Raises
     ------
     ValueError
-        If a value is not an integer ≥ 1 or a range is empty.
+        If a value is not an integer in [1, 2**31 − 1] or a range is empty.
     """
     out: set[int] = set()
     for part in str(text).split(","):
@@ -60,7 +63,7 @@ def parse_P(text: str) -> list[int]:
         try:
             if "-" in part:
                 lo, hi = (int(v) for v in part.split("-", 1))
-                if lo < 1 or hi < lo:
+                if lo < 1 or hi < lo or hi > _MAX_P:
                     raise ValueError
                 out.update({lo, hi})
                 p = 1
@@ -70,12 +73,13 @@ def parse_P(text: str) -> list[int]:
                     p *= 2
             else:
                 v = int(part)
-                if v < 1:
+                if not 1 <= v <= _MAX_P:
                     raise ValueError
                 out.add(v)
         except ValueError:
             raise ValueError(
-                f"--P must be integers >= 1, a comma list or a range like 2-4096; got {text!r}"
+                "--P must be integers in [1, 2**31 - 1] (world sizes), a comma list or a range "
+                f"like 2-4096; got {text!r}"
             ) from None
     if not out:
         raise ValueError(f"--P is empty: {text!r}")
@@ -348,8 +352,13 @@ def _byte_sizes(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+# At least two distinct sizes: the fit of t = alpha + beta*s needs two points
+# (spardl.pingpong.fit_alpha_beta), and finding that after the measurement would abort the job.
+# At most 2**31 - 1 bytes each: MPI's counts are C ints.
 BYTE_SIZES = option_type(
-    _byte_sizes, lambda v: bool(v) and min(v) >= 1, "comma-separated byte counts >= 1"
+    _byte_sizes,
+    lambda v: len(set(v)) >= 2 and min(v) >= 1 and max(v) <= 2**31 - 1,
+    "comma-separated byte counts in [1, 2**31 - 1], at least two distinct",
 )
 
 
@@ -366,7 +375,7 @@ def add_bench(sub) -> None:
     q.add_argument(
         "--sizes",
         type=BYTE_SIZES,
-        help="comma-separated byte sizes (default: 8, 16, ..., 4194304)",
+        help="comma-separated byte sizes, at least two distinct (default: 8, 16, ..., 4194304)",
     )
     q.add_argument("--repeat", type=POSITIVE_INT, default=None, help="round trips per size")
     # Rank 0 alone writes it, so rank 0 alone checks it (spardl.pingpong.run).
