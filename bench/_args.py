@@ -46,6 +46,64 @@ NONNEGATIVE_FLOAT = option_type(
     float, lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0"
 )
 
+#: The longest gradient (or vector) a bench script builds: MPI's counts are C ints, and a larger
+#: length ends in NumPy ("Maximum allowed dimension exceeded", a MemoryError on every rank).
+MAX_ELEMENTS = 2**31 - 1
+#: A length in elements, 1 to :data:`MAX_ELEMENTS`.
+ELEMENTS = option_type(
+    int, lambda v: 1 <= v <= MAX_ELEMENTS, "an integer in [1, 2**31 - 1] (elements)"
+)
+#: The most ranks a driver script launches on one machine.
+MAX_RANKS = 1024
+
+# Student-t (nu = 3) density 6*sqrt(3) / (pi * (3 + t**2)**2) <= 6*sqrt(3) / (pi * t**4), so
+# P(|T| > x) <= 4*sqrt(3) / (pi * x**3) for every x > 0.
+_T3_TAIL = 4 * math.sqrt(3) / math.pi
+#: The chance, at most, that a synthetic gradient exceeds :func:`t3_bound`.
+T3_MISS = 1e-6
+
+
+def t3_bound(count: int) -> float:
+    """A bound on the largest |t| of ``count`` Student-t (nu = 3) draws, exceeded with
+    probability at most :data:`T3_MISS` (the union bound over the draws)."""
+    return (_T3_TAIL * count / T3_MISS) ** (1 / 3)
+
+
+def max_gradient_scale(dtype, n: int, P: int) -> float:
+    """The largest ``--scale`` whose synthetic gradients (``standard_t(3, n) * scale`` on each of
+    P ranks, cast to ``dtype``) stay finite, reduced too.
+
+    Every value is below :func:`t3_bound` (n * P) times the scale; float32 and float64 gradients
+    are summed in their own dtype (P values: P times that), float16 ones in float32 (only the
+    cast to float16 bounds them: the sums are clamped to float16's range, never inf).
+    """
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    terms = 1 if dtype == np.float16 else P
+    return float(np.finfo(dtype).max) / (t3_bound(n * P) * terms)
+
+
+def check_gradient_scale(scale: float, dtype, n: int, P: int) -> str | None:
+    """None, or the usage error of a ``--scale`` whose gradients would overflow ``dtype``."""
+    top = max_gradient_scale(dtype, n, P)
+    if scale <= top:
+        return None
+    return (
+        f"argument --scale: must be at most {top:.3g} for {dtype} gradients of n = {n} on "
+        f"P = {P} rank(s) (Student-t values up to {t3_bound(n * P):.0f} times the scale "
+        f"would overflow {dtype}), got {scale:g}"
+    )
+
+
+def cluster_problem() -> str | None:
+    """Why an emulated cluster cannot be built here (no root / CAP_NET_ADMIN, a missing tool),
+    in one line, or None; creates nothing (:func:`spardl.cluster.check_quick`)."""
+    from spardl.cluster import check_quick
+
+    return check_quick()
+
+
 __all__ = [
     "Parser",
     "option_type",
@@ -56,6 +114,14 @@ __all__ = [
     "SEED",
     "POSITIVE_FLOAT",
     "NONNEGATIVE_FLOAT",
+    "ELEMENTS",
+    "MAX_ELEMENTS",
+    "MAX_RANKS",
+    "t3_bound",
+    "max_gradient_scale",
+    "check_gradient_scale",
+    "cluster_problem",
+    "nonempty_names",
     "comma_list",
     "output_file",
     "output_file_parents",
@@ -75,3 +141,16 @@ def comma_list(item):
 
     parse.__name__ = f"comma-separated {item.__name__}"
     return parse
+
+
+def nonempty_names(text: str) -> list[str]:
+    """The names of a comma-separated list (blanks dropped); an ArgumentTypeError when none."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"expected at least one comma-separated name, got {text!r}"
+        )
+    return names
+
+
+nonempty_names.__name__ = "names"

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spardl  # noqa: E402
 from bench._args import (  # noqa: E402
     DENSITY,
+    ELEMENTS,
     NONNEGATIVE_FLOAT,
     NONNEGATIVE_INT,
     POSITIVE_INT,
@@ -38,7 +39,7 @@ def _args(argv):
     ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--algorithm", default="spardl", choices=sorted(spardl.ALGORITHMS))
     ap.add_argument("--teams", type=POSITIVE_INT, default=1, help="SparDL's d (divides P)")
-    ap.add_argument("--n", type=POSITIVE_INT, default=25_000_000)
+    ap.add_argument("--n", type=ELEMENTS, default=25_000_000)
     ap.add_argument("--density", type=DENSITY, default=0.01)
     ap.add_argument("--repeat", type=POSITIVE_INT, default=8)
     ap.add_argument("--warmup", type=NONNEGATIVE_INT, default=6)

@@ -49,7 +49,13 @@ from mpi4py import MPI
 # are this checkout's even where the editable install's finder is stale.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spardl  # noqa: E402
-from bench._args import output_file, plot_file  # noqa: E402
+from bench._args import (  # noqa: E402
+    ELEMENTS,
+    check_gradient_scale,
+    nonempty_names,
+    output_file,
+    plot_file,
+)
 from spardl.cli.common import (  # noqa: E402
     DENSITY,
     NONNEGATIVE_INT,
@@ -65,10 +71,13 @@ def _args(argv):
     ap = Parser(prog="allreduce.py", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--algorithms",
+        type=nonempty_names,
         default=",".join(sorted(spardl.ALGORITHMS)),
         help="comma-separated names from spardl.ALGORITHMS (default: all)",
     )
-    ap.add_argument("--n", type=POSITIVE_INT, default=25_000_000, help="gradient length")
+    ap.add_argument(
+        "--n", type=ELEMENTS, default=25_000_000, help="gradient length (at most 2**31 - 1)"
+    )
     ap.add_argument(
         "--density",
         type=DENSITY,
@@ -94,7 +103,8 @@ def _args(argv):
         type=POSITIVE_FLOAT,
         default=1e-3,
         help="the gradient's magnitude (Student-t values times this); below about 6e-5·P most "
-        "values of the raw fp16 row's float16 copy are subnormal",
+        "values of the raw fp16 row's float16 copy are subnormal; refused where the gradients "
+        "or their sums over P could overflow --dtype",
     )
     ap.add_argument(
         "--profile",
@@ -112,11 +122,13 @@ def _args(argv):
         "--plot", metavar="PATH.png", type=plot_file, help="time and bytes vs density per algorithm"
     )
     a = ap.parse_args(argv)
-    a.algorithms = [s for s in a.algorithms.split(",") if s]
     unknown = [s for s in a.algorithms if s not in spardl.ALGORITHMS]
     if unknown:
         ap.error(f"unknown algorithm(s) {unknown}; known: {sorted(spardl.ALGORITHMS)}")
     P = MPI.COMM_WORLD.size
+    problem = check_gradient_scale(a.scale, a.dtype, a.n, P)
+    if problem:
+        ap.error(problem)
     if "spardl" in a.algorithms and P % a.teams:
         ap.error(f"--teams must divide the number of ranks P={P}, got {a.teams}")
     return a
@@ -262,7 +274,11 @@ def _measure_peers(comm, a, g, results):
     peer = (lambda: comm.Allreduce(g, peer_out, op=MPI.SUM), raw[3])
     raw16 = raw
     if a.dtype != "float16":
-        raw16 = measure_raw(comm, g.astype(np.float16), a.warmup, a.repeat, peer)
+        # Values past float16's range (a --scale far above 1e-3) become inf in this copy: MPI
+        # sums them all the same, and only this row's time is taken from it.
+        with np.errstate(over="ignore"):
+            g16 = g.astype(np.float16)
+        raw16 = measure_raw(comm, g16, a.warmup, a.repeat, peer)
         results[("raw Allreduce fp16", None)] = raw16
     return raw, raw16, peer
 

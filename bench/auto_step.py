@@ -26,7 +26,13 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spardl  # noqa: E402
-from bench._args import DENSITY, NONNEGATIVE_INT, POSITIVE_INT, Parser  # noqa: E402
+from bench._args import (  # noqa: E402
+    DENSITY,
+    ELEMENTS,
+    NONNEGATIVE_INT,
+    POSITIVE_INT,
+    Parser,
+)
 from spardl.algorithms.auto import candidate_names, explain  # noqa: E402
 
 
@@ -40,7 +46,7 @@ def _fixed(name: str):
 def _args(argv):
     """The command line's options."""
     ap = Parser(description=__doc__.splitlines()[0])  # a usage error: one line, from rank 0
-    ap.add_argument("--n", type=POSITIVE_INT, default=2_500_000)
+    ap.add_argument("--n", type=ELEMENTS, default=2_500_000)
     ap.add_argument("--density", type=DENSITY, default=0.01)
     ap.add_argument("--rounds", type=POSITIVE_INT, default=3)
     ap.add_argument("--steps", type=POSITIVE_INT, default=8, help="timed steps per round")

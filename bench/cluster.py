@@ -28,10 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench._args import (  # noqa: E402
     DENSITY,
+    ELEMENTS,
+    MAX_RANKS,
     NONNEGATIVE_INT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
     Parser,
+    cluster_problem,
     output_dir,
 )
 
@@ -43,9 +46,9 @@ def _layout(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"layout must be NxR (e.g. 4x1), got {text!r}") from None
     from spardl.cluster import MAX_NODES
 
-    if not 1 <= nodes <= MAX_NODES or per < 1:
+    if not 1 <= nodes <= MAX_NODES or per < 1 or nodes * per > MAX_RANKS:
         raise argparse.ArgumentTypeError(
-            f"layout needs 1 <= N <= {MAX_NODES} and R >= 1, got {text!r}"
+            f"layout needs 1 <= N <= {MAX_NODES}, R >= 1 and N*R <= {MAX_RANKS} ranks, got {text!r}"
         )
     return nodes, per
 
@@ -60,7 +63,9 @@ def _args(argv):
         "--bandwidth", type=rate_type, nargs="+", default=["1gbit", "10gbit"], help="link rates"
     )
     ap.add_argument("--layout", type=_layout, nargs="+", default=[(4, 1), (4, 2)], help="NxR")
-    ap.add_argument("--n", type=POSITIVE_INT, default=25_000_000)
+    ap.add_argument(
+        "--n", type=ELEMENTS, default=25_000_000, help="gradient length (at most 2**31 - 1)"
+    )
     ap.add_argument("--density", type=DENSITY, nargs="+", default=[0.001, 0.01, 0.1])
     ap.add_argument("--algorithms", default=None, help="comma-separated (default: all)")
     ap.add_argument("--repeat", type=POSITIVE_INT, default=5)
@@ -75,11 +80,17 @@ def _args(argv):
         unknown = [s for s in names if s not in spardl.ALGORITHMS]
         if unknown or not names:
             ap.error(f"unknown algorithm(s) {unknown}; known: {sorted(spardl.ALGORITHMS)}")
+    problem = cluster_problem()  # creates nothing
+    if problem:
+        ap.error(problem)
     return a
 
 
 def run_one(bandwidth: str, nodes: int, per_node: int, a, tmp: Path) -> dict:
-    """One configuration: bench/allreduce.py on a fresh cluster; its JSON report."""
+    """One configuration: bench/allreduce.py on a fresh cluster; its JSON report.
+
+    Raises RuntimeError (:class:`spardl.cluster.ClusterError` included) if the cluster cannot
+    be built or the job fails or runs past ``--timeout``."""
     from spardl.cluster import Cluster, measure_latency
 
     out = tmp / f"{bandwidth}-{nodes}x{per_node}.json"
@@ -103,8 +114,15 @@ def run_one(bandwidth: str, nodes: int, per_node: int, a, tmp: Path) -> dict:
         latency = measure_latency(cl) if nodes >= 2 else None
         print(f"# {cl.describe()}: {' '.join(cmd[1:])}", flush=True)
         proc = cl.run(cmd, timeout=a.timeout, cwd=ROOT)
+    if proc.returncode == 124:
+        raise RuntimeError(
+            f"bench/allreduce.py on {nodes}x{per_node}, {bandwidth} timed out after "
+            f"{a.timeout:g} s (--timeout)"
+        )
     if proc.returncode != 0:
-        raise RuntimeError(f"bench/allreduce.py on {nodes}x{per_node} exited {proc.returncode}")
+        raise RuntimeError(
+            f"bench/allreduce.py on {nodes}x{per_node}, {bandwidth} exited {proc.returncode}"
+        )
     report = json.loads(out.read_text())
     report.update(bandwidth=bandwidth, nodes=nodes, ranks_per_node=per_node, latency_s=latency)
     return report
@@ -181,27 +199,48 @@ def plot(reports: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def write_results(a, reports: list[dict], error: str | None = None) -> list[Path]:
+    """Write ``--out``/cluster.json (the reports gathered, and ``error`` when the run stopped
+    early) and, if there is a report, ``--out``/cluster.png; the paths written."""
+    a.out.mkdir(parents=True, exist_ok=True)
+    doc = {"argv": sys.argv, "reports": reports}
+    if error is not None:
+        doc["error"] = error
+    paths = [a.out / "cluster.json"]
+    paths[0].write_text(json.dumps(doc, indent=1) + "\n")
+    if reports:
+        plot(reports, a.out / "cluster.png")
+        paths.append(a.out / "cluster.png")
+    return paths
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     reports = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for bw in a.bandwidth:
-            for nodes, per in a.layout:
-                rep = run_one(bw, nodes, per, a, Path(tmp))
-                reports.append(rep)
-                lat = rep["latency_s"]
-                print(
-                    f"\n### {nodes} nodes × {per} rank(s), {bw} links"
-                    + ("" if lat is None else f" (one-way latency {lat * 1e6:.0f} µs)")
-                    + f", n = {a.n}\n"
-                )
-                print(table(rep), flush=True)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "cluster.json").write_text(
-        json.dumps({"argv": sys.argv, "reports": reports}, indent=1) + "\n"
-    )
-    plot(reports, a.out / "cluster.png")
-    print(f"\nwrote {a.out / 'cluster.json'} and {a.out / 'cluster.png'}")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for bw in a.bandwidth:
+                for nodes, per in a.layout:
+                    rep = run_one(bw, nodes, per, a, Path(tmp))
+                    reports.append(rep)
+                    lat = rep["latency_s"]
+                    print(
+                        f"\n### {nodes} nodes × {per} rank(s), {bw} links"
+                        + ("" if lat is None else f" (one-way latency {lat * 1e6:.0f} µs)")
+                        + f", n = {a.n}\n"
+                    )
+                    print(table(rep), flush=True)
+    except RuntimeError as e:  # a configuration failed: keep what the earlier ones measured
+        paths = write_results(a, reports, str(e))
+        print(
+            f"cluster.py: error: {e}; wrote the {len(reports)} earlier configuration(s) "
+            f"to {paths[0]}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    paths = write_results(a, reports)
+    print(f"\nwrote {' and '.join(map(str, paths))}")
     return 0
 
 

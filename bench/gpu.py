@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._args import (  # noqa: E402
     DENSITY,
+    ELEMENTS,
     POSITIVE_FLOAT,
     POSITIVE_INT,
     Parser,
@@ -61,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("json_path", type=output_file, help="where to write the results (JSON)")
     p.add_argument(
         "--sizes",
-        type=comma_list(POSITIVE_INT),
+        type=comma_list(ELEMENTS),
         default="25000000,110000000",
         help="comma-separated vector lengths n (default: %(default)s)",
     )

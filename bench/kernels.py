@@ -21,7 +21,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spardl_kernels as sk  # noqa: E402
-from bench._args import DENSITY, NONNEGATIVE_INT, POSITIVE_INT, Parser  # noqa: E402
+from bench._args import (  # noqa: E402
+    DENSITY,
+    ELEMENTS,
+    NONNEGATIVE_INT,
+    POSITIVE_INT,
+    Parser,
+    option_type,
+)
+
+#: The most torch threads --torch-threads sets (torch.set_num_threads(100000) segfaults).
+MAX_TORCH_THREADS = 1024
+TORCH_THREADS = option_type(
+    int, lambda v: 1 <= v <= MAX_TORCH_THREADS, f"an integer in [1, {MAX_TORCH_THREADS}]"
+)
 
 
 def gradient_like(n, seed=0):
@@ -208,16 +221,37 @@ def bench_size(n, repeat, density, torch_threads):
 
 
 def _args(argv):
+    # Numba's thread pool has NUMBA_NUM_THREADS threads, fixed at import: spardl_kernels uses at
+    # most that many whatever config.CPU_THREADS says, so a larger --threads is refused.
+    import numba
+
+    limit = numba.config.NUMBA_NUM_THREADS
     ap = Parser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=POSITIVE_INT, nargs="+", default=[2**20, 25_000_000])
+    ap.add_argument(
+        "--sizes",
+        type=ELEMENTS,
+        nargs="+",
+        default=[2**20, 25_000_000],
+        help="gradient lengths n (each at most 2**31 - 1)",
+    )
     ap.add_argument("--repeat", type=POSITIVE_INT, default=7, help="timed runs per entry (median)")
     ap.add_argument("--density", type=DENSITY, default=0.01)
-    ap.add_argument("--torch-threads", type=POSITIVE_INT, default=os.cpu_count())
+    ap.add_argument(
+        "--torch-threads",
+        type=TORCH_THREADS,
+        default=min(os.cpu_count() or 1, MAX_TORCH_THREADS),
+        help=f"torch.set_num_threads (at most {MAX_TORCH_THREADS}; default: the core count)",
+    )
     ap.add_argument(
         "--threads",
-        type=POSITIVE_INT,
+        type=option_type(
+            int,
+            lambda v: 1 <= v <= limit,
+            f"an integer in [1, {limit}] (NUMBA_NUM_THREADS; set it to allow more)",
+        ),
         default=None,
-        help="spardl_kernels.config.CPU_THREADS (default: Numba's, NUMBA_NUM_THREADS)",
+        help="spardl_kernels.config.CPU_THREADS, at most NUMBA_NUM_THREADS "
+        f"(here {limit}; default: Numba's)",
     )
     ap.add_argument(
         "--merge-parallel-min",

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spardl  # noqa: E402
-from bench._args import DENSITY, POSITIVE_INT, Parser  # noqa: E402
+from bench._args import DENSITY, ELEMENTS, POSITIVE_INT, Parser  # noqa: E402
 
 
 def _median_ms(fn, repeat):
@@ -49,7 +49,7 @@ def step_ms(algorithm, g, density, keep, repeat):
 
 def main(argv=None) -> int:
     ap = Parser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=POSITIVE_INT, default=25_000_000)
+    ap.add_argument("--n", type=ELEMENTS, default=25_000_000)
     ap.add_argument("--density", type=DENSITY, default=0.01)
     ap.add_argument("--repeat", type=POSITIVE_INT, default=7)
     ap.add_argument("--algorithms", default="spardl,topka,oktopk", help="comma-separated")

@@ -30,15 +30,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._args import (  # noqa: E402
     DENSITY,
+    MAX_RANKS,
     NONNEGATIVE_INT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
     SEED,
     Parser,
+    cluster_problem,
+    option_type,
     output_dir,
 )
 from spardl.cli import launch_train  # noqa: E402
 from spardl.cli.cluster import rate_type  # noqa: E402
+from spardl.cluster import MAX_NODES  # noqa: E402
+
+# P: every table compares bytes and times with the dense allreduce's, and at P = 1 no allreduce
+# sends a byte (nothing to compare); MAX_RANKS is far more ranks than one machine has cores for.
+WORLD_SIZE = option_type(
+    int,
+    lambda v: 2 <= v <= MAX_RANKS,
+    f"an integer in [2, {MAX_RANKS}] (at P = 1 no allreduce sends a byte: nothing to compare)",
+)
 
 CONFIGS = {
     "spardl": ["--algorithm", "spardl", "--residual", "global"],
@@ -227,7 +239,13 @@ def _digits_table(rows, dense_by_seed: dict, where: str, density: float) -> list
 def _args(argv):
     """The command line's options."""
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", "-n", type=POSITIVE_INT, default=4)
+    p.add_argument(
+        "--world-size",
+        "-n",
+        type=WORLD_SIZE,
+        default=4,
+        help=f"P, 2 to {MAX_RANKS} ({MAX_NODES} with --bandwidth; default: %(default)s)",
+    )
     p.add_argument("--density", type=DENSITY, default=0.01)
     p.add_argument("--seeds", type=SEED, nargs="+", default=[0])
     p.add_argument(
@@ -278,8 +296,25 @@ def _args(argv):
         help="run on emulated nodes with this link rate",
     )
     p.add_argument("--out", type=output_dir, default="runs/bench-training")
-    p.add_argument("--timeout", type=POSITIVE_FLOAT, default=900)
-    return p.parse_args(argv)
+    p.add_argument("--timeout", type=POSITIVE_FLOAT, default=900, help="per job, seconds")
+    args = p.parse_args(argv)
+    for label in args.configs:  # spardl train refuses teams that do not divide P, but late
+        config = CONFIGS[label]
+        if "--teams" in config and args.world_size % int(config[config.index("--teams") + 1]):
+            p.error(
+                f"argument --configs: {label} needs a world size divisible by "
+                f"{config[config.index('--teams') + 1]}, got --world-size {args.world_size}"
+            )
+    if args.bandwidth is not None:
+        if args.world_size > MAX_NODES:
+            p.error(
+                f"argument --world-size/-n: an emulated cluster has at most {MAX_NODES} nodes "
+                f"(one rank each), got {args.world_size}"
+            )
+        problem = cluster_problem()  # creates nothing
+        if problem:
+            p.error(f"argument --bandwidth: {problem}")
+    return args
 
 
 def _train_args(args, label: str, seed: int, out: Path) -> list[str]:
@@ -339,7 +374,11 @@ def main(argv=None) -> int:
     """Run every config and seed, print the table, write the plot and summary.json."""
     args = _args(argv)
     configs = list(dict.fromkeys(["dense", *args.configs]))
-    rows = _run_all(args, configs)
+    try:
+        rows = _run_all(args, configs)
+    except RuntimeError as e:  # a job that failed or timed out (ClusterError too): one line
+        print(f"training.py: error: {e}", file=sys.stderr, flush=True)
+        return 1
     dense_by_seed = {s: m for lab, s, m in rows if lab == "dense"}
     where = (
         f"{args.world_size} emulated nodes, {args.bandwidth} links"

@@ -72,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 # The option types without importing spardl (which would initialise MPI in the driver).
 from bench._args import (  # noqa: E402
     DENSITY,
+    ELEMENTS,
     NONNEGATIVE_INT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
@@ -373,7 +374,7 @@ def summary(rows, fit=None) -> list[str]:
 
 def _parser() -> Parser:
     ap = Parser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=POSITIVE_INT, default=2_000_000)
+    ap.add_argument("--n", type=ELEMENTS, default=2_000_000)
     ap.add_argument("--density", type=DENSITY, default=0.01)
     ap.add_argument("--P", default="1-8", help="world sizes, e.g. 1-8 (P = 1 is always run)")
     ap.add_argument("--algorithms", default=",".join((*SPARSE, "dense")))

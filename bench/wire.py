@@ -37,10 +37,12 @@ import spardl.algorithms.topkdsa  # noqa: E402
 import spardl.comm  # noqa: E402
 from bench._args import (  # noqa: E402
     DENSITY,
+    ELEMENTS,
     NONNEGATIVE_INT,
     POSITIVE_INT,
     SEED,
     Parser,
+    nonempty_names,
     output_file,
 )
 
@@ -50,8 +52,15 @@ SPARSE = [a for a in sorted(spardl.ALGORITHMS) if a != "dense"]
 def _args(argv):
     # One line from rank 0 for a usage error, before any allreducer is built.
     ap = Parser(description=__doc__.split("\n")[0])
-    ap.add_argument("--algorithms", default=",".join(SPARSE), help="comma-separated names")
-    ap.add_argument("--n", type=POSITIVE_INT, default=25_000_000, help="gradient length")
+    ap.add_argument(
+        "--algorithms",
+        type=nonempty_names,
+        default=",".join(SPARSE),
+        help="comma-separated names (at least one)",
+    )
+    ap.add_argument(
+        "--n", type=ELEMENTS, default=25_000_000, help="gradient length (at most 2**31 - 1)"
+    )
     ap.add_argument("--density", type=DENSITY, default=0.01, help="ρ")
     ap.add_argument("--teams", type=POSITIVE_INT, default=1, help="SparDL's d (divides P)")
     ap.add_argument("--repeat", type=POSITIVE_INT, default=10, help="timed rounds per algorithm")
@@ -61,7 +70,6 @@ def _args(argv):
     ap.add_argument("--seed", type=SEED, default=0)
     ap.add_argument("--json", metavar="PATH", type=output_file, help="write the rows as JSON")
     a = ap.parse_args(argv)
-    a.algorithms = [s for s in a.algorithms.split(",") if s]
     bad = [s for s in a.algorithms if s not in SPARSE]
     if bad:
         ap.error(f"unknown or dense algorithm(s) {bad}; sparse ones: {SPARSE}")

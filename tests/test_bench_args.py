@@ -4,36 +4,69 @@ nor a failure to write an output after the whole run)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 
+import numba
 import pytest
 from mpirun import ROOT, run_mpi
 
 pytestmark = pytest.mark.mpi
 
+NUMBA_NUM_THREADS = numba.config.NUMBA_NUM_THREADS  # the scripts' children inherit it
+
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--n", "0"], "argument --n: must be an integer >= 1, got 0"),
+        (["--n", "0"], "argument --n: must be an integer in [1, 2**31 - 1] (elements), got 0"),
         (["--density", "2"], "argument --density: must be a density in (0, 1], got 2"),
         (["--repeat", "0"], "argument --repeat: must be an integer >= 1, got 0"),
         (["--teams", "3", "--n", "100"], "--teams must divide the number of ranks P=2, got 3"),
+        # Past 2**31 - 1 elements NumPy fails on every rank ("Maximum allowed dimension
+        # exceeded", a MemoryError).
+        (
+            ["--n", "1000000000000"],
+            "argument --n: must be an integer in [1, 2**31 - 1] (elements), got 1000000000000",
+        ),
+        # A --scale whose gradients (or their sums over P = 2) overflow the dtype: every rank
+        # raised NonFiniteError mid-run; the bound depends on P, so it is checked under mpiexec.
+        (
+            ["--n", "1000", "--scale", "1e300"],
+            "argument --scale: must be at most 1.04e+35 for float32 gradients of n = 1000 on "
+            "P = 2 rank(s) (Student-t values up to 1640 times the scale would overflow float32), "
+            "got 1e+300",
+        ),
+        (["--algorithms", ""], "argument --algorithms: expected at least one comma-separated name"),
     ],
 )
 def test_bad_allreduce_bench_argument_is_one_line(args, message):
     proc = run_mpi(2, ["bench/allreduce.py", *args], timeout=120, check=False)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == f"allreduce.py: error: {message}"
+    assert proc.stderr.strip().startswith(f"allreduce.py: error: {message}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 # Every other bench script: a bad value fails in the parser (status 2, the option named, no
 # traceback), before any benchmark work. Single-process runs (the parser is the same at any P);
 # "{out}" stands for a writable path in the test's temporary directory.
+TOO_LONG = str(2**31)  # one past the longest gradient a bench script builds
+HUGE = "99999999999999999999"  # past any C integer
+
 BAD = [
     ("kernels.py", ["--sizes", "0"], "--sizes"),
+    ("kernels.py", ["--sizes", TOO_LONG], "--sizes"),
+    ("kernels.py", ["--sizes", "1000000000000"], "--sizes"),
+    ("kernels.py", ["--sizes", HUGE], "--sizes"),
+    # torch.set_num_threads(100000) segfaulted; a 20-digit count overflowed a C int.
+    ("kernels.py", ["--torch-threads", "1025"], "--torch-threads"),
+    ("kernels.py", ["--torch-threads", "100000"], "--torch-threads"),
+    ("kernels.py", ["--torch-threads", HUGE], "--torch-threads"),
+    # More than Numba's pool holds: spardl_kernels would use NUMBA_NUM_THREADS, not this.
+    ("kernels.py", ["--threads", str(NUMBA_NUM_THREADS + 1)], "NUMBA_NUM_THREADS"),
     ("kernels.py", ["--repeat", "0"], "--repeat"),
     ("kernels.py", ["--density", "-1"], "--density"),
     ("kernels.py", ["--density", "0"], "--density"),
@@ -41,10 +74,15 @@ BAD = [
     ("kernels.py", ["--torch-threads", "0"], "--torch-threads"),
     ("kernels.py", ["--merge-parallel-min", "-1"], "--merge-parallel-min"),
     ("step_local.py", ["--n", "0"], "--n"),
+    ("step_local.py", ["--n", TOO_LONG], "--n"),
     ("step_local.py", ["--density", "5"], "--density"),
     ("step_local.py", ["--repeat", "0"], "--repeat"),
     ("step_local.py", ["--algorithms", "nope"], "--algorithms"),
     ("wire.py", ["--n", "0"], "--n"),
+    ("wire.py", ["--n", TOO_LONG], "--n"),
+    ("wire.py", ["--n", HUGE], "--n"),
+    ("wire.py", ["--algorithms", ""], "--algorithms"),
+    ("wire.py", ["--algorithms", ","], "--algorithms"),
     ("wire.py", ["--density", "0"], "--density"),
     ("wire.py", ["--repeat", "0"], "--repeat"),
     ("wire.py", ["--warmup", "-1"], "--warmup"),
@@ -52,10 +90,12 @@ BAD = [
     ("wire.py", ["--teams", "2"], "--teams"),
     ("wire.py", ["--json", "/nonexistent/x.json"], "--json"),
     ("after_idle.py", ["--n", "0"], "--n"),
+    ("after_idle.py", ["--n", TOO_LONG], "--n"),
     ("after_idle.py", ["--repeat", "0"], "--repeat"),
     ("after_idle.py", ["--density", "1.5"], "--density"),
     ("after_idle.py", ["--pause", "-1"], "--pause"),
     ("auto_step.py", ["--n", "0"], "--n"),
+    ("auto_step.py", ["--n", TOO_LONG], "--n"),
     ("auto_step.py", ["--steps", "0"], "--steps"),
     ("auto_step.py", ["--rounds", "0"], "--rounds"),
     ("auto_step.py", ["--trials", "-1"], "--trials"),
@@ -69,12 +109,24 @@ BAD = [
     ("overlap.py", ["/nonexistent/x.json"], "json_path"),
     ("gpu.py", ["{out}", "--budget-s", "0"], "--budget-s"),
     ("gpu.py", ["{out}", "--sizes", "0"], "--sizes"),
+    ("gpu.py", ["{out}", "--sizes", f"1000,{TOO_LONG}"], "--sizes"),
     ("gpu.py", ["/nonexistent/x.json"], "json_path"),
     ("allreduce.py", ["--json", "/nonexistent/x.json"], "--json"),
     ("allreduce.py", ["--plot", "/nonexistent/x.png"], "--plot"),
     ("allreduce.py", ["--plot", "{out}.nope"], "--plot"),
     ("allreduce.py", ["--scale", "0"], "--scale"),
+    ("allreduce.py", ["--n", HUGE], "--n"),
+    ("allreduce.py", ["--n", "1000000000000"], "--n"),
+    ("allreduce.py", ["--n", "1000", "--scale", "1e300"], "--scale"),
+    ("allreduce.py", ["--n", "1000", "--scale", "1e39"], "--scale"),
+    ("allreduce.py", ["--n", "1000", "--dtype", "float16", "--scale", "1e5"], "--scale"),
+    ("allreduce.py", ["--n", "1000", "--dtype", "float64", "--scale", "1e306"], "--scale"),
+    ("allreduce.py", ["--algorithms", ""], "--algorithms"),
+    ("allreduce.py", ["--algorithms", ","], "--algorithms"),
     ("cluster.py", ["--n", "0"], "--n"),
+    ("cluster.py", ["--n", HUGE], "--n"),
+    ("cluster.py", ["--n", TOO_LONG], "--n"),
+    ("cluster.py", ["--layout", "4x1000"], "--layout"),
     ("cluster.py", ["--density", "0"], "--density"),
     ("cluster.py", ["--repeat", "0"], "--repeat"),
     ("cluster.py", ["--bandwidth", "fast"], "--bandwidth"),
@@ -83,11 +135,18 @@ BAD = [
     ("cluster.py", ["--layout", "4x0"], "--layout"),
     ("cluster.py", ["--out", "/proc/x"], "--out"),
     ("training.py", ["--world-size", "0"], "--world-size"),
+    # P = 1 trained, then failed on its table (no allreduce sends a byte); a huge P ran P = 1.
+    ("training.py", ["-n", "1"], "no allreduce sends a byte"),
+    ("training.py", ["-n", HUGE], "--world-size"),
+    ("training.py", ["-n", "1025"], "--world-size"),
+    ("training.py", ["-n", "251", "--bandwidth", "1gbit"], "at most 250 nodes"),
+    ("training.py", ["-n", "2", "--configs", "spardl-d4"], "--configs"),
     ("training.py", ["--density", "0"], "--density"),
     ("training.py", ["--seeds", "-1"], "--seeds"),
     ("training.py", ["--steps", "0"], "--steps"),
     ("training.py", ["--out", "/proc/x"], "--out"),
     ("validate_model.py", ["--n", "0"], "--n"),
+    ("validate_model.py", ["--n", TOO_LONG], "--n"),
     ("validate_model.py", ["--repeat", "0"], "--repeat"),
     ("validate_model.py", ["--warmup", "-1"], "--warmup"),
     ("validate_model.py", ["--algorithms", "nope"], "--algorithms"),
@@ -122,8 +181,14 @@ def test_bad_bench_argument_is_a_usage_error(script, args, option, tmp_path):
     ("script", "args", "message"),
     [
         ("overlap.py", ["x.json", "--steps", "0"], "argument --steps: must be an integer >= 1"),
-        ("wire.py", ["--n", "0"], "argument --n: must be an integer >= 1"),
+        ("wire.py", ["--n", "0"], "argument --n: must be an integer in [1, 2**31 - 1]"),
         ("wire.py", ["--teams", "3"], "--teams must divide the number of ranks P=2"),
+        ("wire.py", ["--algorithms", ""], "argument --algorithms: expected at least one"),
+        (
+            "allreduce.py",
+            ["--n", "1000", "--dtype", "float16", "--scale", "1e5"],
+            "argument --scale: must be at most 39.9 for float16 gradients",
+        ),
     ],
 )
 def test_bench_usage_error_is_printed_once_under_mpiexec(script, args, message):
@@ -131,3 +196,105 @@ def test_bench_usage_error_is_printed_once_under_mpiexec(script, args, message):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().startswith(f"{script}: error: {message}"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
+
+
+# Runs a bench script as if this machine could not build an emulated cluster (no root nor
+# CAP_NET_ADMIN), whoever runs the tests: spardl.cluster.check_quick() then finds it.
+NO_CAP = (
+    "import runpy, sys\n"
+    "import spardl.cluster\n"
+    "spardl.cluster._has_cap_net_admin = lambda: False\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("script", "args"),
+    [
+        ("training.py", ["-n", "2", "--bandwidth", "1gbit"]),
+        ("cluster.py", ["--layout", "2x1", "--bandwidth", "1gbit"]),
+    ],
+)
+def test_a_cluster_that_cannot_be_built_is_a_usage_error(script, args, tmp_path):
+    """Found by check_quick() right after parsing, before any job: one line, status 2, nothing
+    written (it was a ClusterError traceback)."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_CAP, f"bench/{script}", *args, "--out", str(out)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{script}: error: ") and "CAP_NET_ADMIN" in last, proc.stderr
+    assert not out.exists()
+
+
+def test_a_training_job_that_times_out_is_one_line_status_1(tmp_path):
+    """The job is killed after --timeout: one line on stderr and status 1, no traceback."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/training.py",
+            *("-n", "2", "--epochs", "1", "--configs", "dense", "--timeout", "0.5"),
+            *("--out", str(tmp_path)),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1] == "training.py: error: training job timed out after 0.5 s", proc.stderr
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cluster_bench_keeps_earlier_results_when_a_configuration_fails(
+    tmp_path, monkeypatch, capsys
+):
+    """A configuration that times out (or fails) ends the run with one line and status 1, and
+    --out/cluster.json holds the configurations measured before it (they were lost)."""
+    cluster = _load_script("cluster")
+    row = {"algorithm": "spardl", "density": 0.01, "time_s": 0.5, "bytes_sent": 1e6}
+    report = {"rows": [{**row, "messages": 2.0}], "latency_s": None}
+    calls = []
+
+    def run_one(bandwidth, nodes, per_node, a, tmp):
+        calls.append(bandwidth)
+        if len(calls) == 2:
+            raise RuntimeError(
+                f"bench/allreduce.py on {nodes}x{per_node}, {bandwidth} timed out after "
+                f"{a.timeout:g} s (--timeout)"
+            )
+        return {**report, "bandwidth": bandwidth, "nodes": nodes, "ranks_per_node": per_node}
+
+    monkeypatch.setattr(cluster, "cluster_problem", lambda: None)
+    monkeypatch.setattr(cluster, "run_one", run_one)
+    out = tmp_path / "out"
+    argv = ["--bandwidth", "1gbit", "10gbit", "--layout", "2x1", "--timeout", "0.001"]
+    assert cluster.main([*argv, "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cluster.py: error: "), err
+    assert "10gbit timed out after 0.001 s" in err[0] and "cluster.json" in err[0]
+    doc = json.loads((out / "cluster.json").read_text())
+    assert [r["bandwidth"] for r in doc["reports"]] == ["1gbit"]
+    assert "timed out" in doc["error"]
+    assert (out / "cluster.png").read_bytes()[:4] == b"\x89PNG"
