@@ -392,8 +392,8 @@ def _prepare(obj, states, world_size):
     wanted = 1 if P == comm.size else len(range(comm.rank, int(P), comm.size))
     if wanted > len(states):  # before listing them: a huge world_size is no MemoryError
         raise ValueError(
-            f"this rank needs the states of {wanted} old rank(s) of {P}, and {len(states)} "
-            "are given"
+            f"the states of {wanted - len(states)} or more old rank(s) are missing on this rank "
+            f"(it needs {wanted} of the {P}, and {len(states)} are given)"
         )
     need = folded_ranks(int(P), comm.size, comm.rank)
     missing = [r for r in need if r not in states]
