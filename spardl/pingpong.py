@@ -341,7 +341,10 @@ def run(args, world) -> int:
         fit = alpha + beta * s
         print(f"{s:>9} {t * 1e6:>11.2f} {fit * 1e6:>9.2f} {s / t / 1e6 if t else 0:>9.1f}")
     print(f"alpha = {alpha:.3e} s/message ({alpha * 1e6:.2f} us)")
-    print(f"beta  = {beta:.3e} s/byte ({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)")
+    if beta:
+        print(f"beta  = {beta:.3e} s/byte ({1 / beta / 1e9:.2f} GB/s)")
+    else:  # the fit's slope clipped at 0: these sizes do not resolve the link's rate
+        print("beta  = 0 s/byte (not resolved by these sizes: add larger ones to --sizes)")
     if gamma is not None:
         print(f"gamma = {gamma:.3e} s/byte merged (merge_add, int32+float32 pairs)")
     if args.json:

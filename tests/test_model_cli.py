@@ -306,3 +306,23 @@ def test_demo_refuses_a_world_it_cannot_run_before_any_run(argv, message, tmp_pa
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not any(tmp_path.iterdir())  # nothing ran
+
+
+def test_pingpong_says_when_its_sizes_do_not_resolve_beta(monkeypatch, capsys):
+    """A fit whose slope clips at 0 printed "inf GB/s"; it now says the sizes are too small."""
+    import argparse
+
+    from spardl import pingpong
+
+    class TwoRanks:  # rank 0 of 2; the measurement itself is replaced below
+        def Get_size(self):
+            return 2
+
+        def Get_rank(self):
+            return 0
+
+    monkeypatch.setattr(pingpong, "pingpong", lambda world, sizes, repeat: [(8, 1e-5), (16, 9e-6)])
+    args = argparse.Namespace(sizes=[8, 16], repeat=1, json=None, no_gamma=True)
+    assert pingpong.run(args, TwoRanks()) == 0
+    out = capsys.readouterr().out
+    assert "beta  = 0 s/byte (not resolved by these sizes" in out and "inf" not in out
