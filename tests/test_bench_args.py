@@ -89,6 +89,9 @@ BAD = [
     ("wire.py", ["--seed", "-1"], "--seed"),
     ("wire.py", ["--teams", "2"], "--teams"),
     ("wire.py", ["--json", "/nonexistent/x.json"], "--json"),
+    # An empty path was the current folder: --out "" wrote there.
+    ("wire.py", ["--json", ""], "--json: must be a path, got an empty string"),
+    ("cluster.py", ["--out", ""], "--out: must be a path, got an empty string"),
     ("after_idle.py", ["--n", "0"], "--n"),
     ("after_idle.py", ["--n", TOO_LONG], "--n"),
     ("after_idle.py", ["--repeat", "0"], "--repeat"),

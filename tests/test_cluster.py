@@ -97,6 +97,7 @@ def test_cluster_arguments_are_checked():
         (["run", "--nodes", "2", "--report", "/nonexistent/dir/r.json", "--", "true"], "--report"),
         # A directory is refused before the nodes exist, not found out after the command ran.
         (["run", "--nodes", "2", "--report", "/tmp", "--", "true"], "--report: must be a file"),
+        (["run", "--nodes", "2", "--report", "", "--", "true"], "--report: must be a path"),
         # mpiexec ran with -n 4294967296 and spun until killed.
         (["run", "--nodes", "2", "-R", "2147483648", "--", "true"], "--ranks-per-node"),
         # An option where the program goes: mpiexec took it as its own.

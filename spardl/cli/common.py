@@ -99,7 +99,13 @@ def _nearest_existing(p: Path) -> Path:
     return p
 
 
+def _nonempty(text: str) -> None:
+    if not text.strip():  # Path("") is ".": the current folder, never what was meant
+        raise argparse.ArgumentTypeError("must be a path, got an empty string")
+
+
 def _file(text: str, parents: bool) -> str:
+    _nonempty(text)
     p = Path(text)
     if p.is_dir():
         raise argparse.ArgumentTypeError(f"must be a file name, got the directory {text}")
@@ -133,6 +139,7 @@ def output_file_parents(text: str) -> str:
 def output_dir(text: str) -> Path:
     """argparse ``type=``: a directory the program writes into (created with its parents where
     missing), checked before any work; as a Path."""
+    _nonempty(text)
     p = Path(text)
     _writable_dir(p if p.exists() else _nearest_existing(p.parent), text)
     return p
