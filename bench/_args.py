@@ -53,8 +53,7 @@ MAX_ELEMENTS = 2**31 - 1
 ELEMENTS = option_type(
     int, lambda v: 1 <= v <= MAX_ELEMENTS, "an integer in [1, 2**31 - 1] (elements)"
 )
-#: The most ranks a driver script launches on one machine.
-MAX_RANKS = 1024
+MAX_RANKS = _common.MAX_RANKS
 
 # Student-t (nu = 3) density 6*sqrt(3) / (pi * (3 + t**2)**2) <= 6*sqrt(3) / (pi * t**4), so
 # P(|T| > x) <= 4*sqrt(3) / (pi * x**3) for every x > 0.

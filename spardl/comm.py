@@ -336,13 +336,13 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
     """
     index_dtype = np.dtype(index_dtype)
     value_dtype = np.dtype(value_dtype)
+    for j, (idx, val) in enumerate(blocks):  # host and device blocks alike
+        if np.shape(val) != (len(idx),):
+            raise ValueError(
+                f"blocks[{j}]: values must have the shape of the indices, ({len(idx)},), got "
+                f"{np.shape(val)}"
+            )
     if any(A.is_device(a) for b in blocks for a in b):
-        for j, (idx, val) in enumerate(blocks):
-            if np.shape(val) != np.shape(idx):
-                raise ValueError(
-                    f"blocks[{j}]: values must have the shape of the indices, "
-                    f"{np.shape(idx)}, got {np.shape(val)}"
-                )
         return _pack_device(blocks, starts, index_dtype, value_dtype)
     nb = len(blocks)
     counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
@@ -360,11 +360,6 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
     pos = 0
     for j, ((idx, val), start) in enumerate(zip(blocks, starts, strict=True)):
         c = len(idx)
-        if (val.shape if type(val) is np.ndarray else np.shape(val)) != (c,):
-            raise ValueError(
-                f"blocks[{j}]: values must have the shape of the indices, ({c},), got "
-                f"{np.shape(val)}"
-            )
         if c and checked:  # an ascending block lies between its first and last index
             s0 = int(start)
             first, last = int(idx[0]) - s0, int(idx[-1]) - s0

@@ -56,6 +56,8 @@ from pathlib import Path
 
 import numpy as np
 
+from spardl_kernels._validate import MAX_P
+
 from ._checks import check_density, check_int, malformed
 from .algorithms.base import Allreducer, collective_check
 from .comm import Comm, name_hash
@@ -77,9 +79,6 @@ VERSION = 1
 #: Traffic counters of ``stats``: a rank that did not exist in the old world starts them at 0.
 _TRAFFIC = ("messages", "bytes_sent", "bytes_received", "control_messages")
 _TAG = 0x5D1  # save_checkpoint's point-to-point messages (on the control communicator)
-
-
-_MAX_WORLD_SIZE = 2**31 - 1  # MPI's ranks are C ints
 
 
 def folded_ranks(world_size: int, new_world_size: int, rank: int) -> list[int]:
@@ -115,7 +114,7 @@ def folded_ranks(world_size: int, new_world_size: int, rank: int) -> list[int]:
     shrinking sums the fewest residuals per new rank.
     """
     for name, v in (("world_size", world_size), ("new_world_size", new_world_size)):
-        if not 1 <= check_int(name, v) <= _MAX_WORLD_SIZE:
+        if not 1 <= check_int(name, v) <= MAX_P:
             raise ValueError(f"{name} must be an integer in [1, 2**31 - 1], got {v!r}")
     if not 0 <= check_int("rank", rank) < new_world_size:
         raise ValueError(f"rank must be in [0, {new_world_size}), got {rank}")
@@ -276,9 +275,10 @@ def _fold_allreducer(states, template, world_size, new_world_size, rank) -> dict
                 f"the residual of old rank {r} has shape {getattr(res, 'shape', None)}, "
                 f"expected ({n},)"
             )
-        if np.asarray(res).dtype != work:  # as load_state_dict: never converted silently
+        got = np.asarray(res).dtype
+        if got != work:  # as load_state_dict: never converted silently
             raise TypeError(
-                f"the residual of old rank {r} has dtype {np.asarray(res).dtype}; a "
+                f"the residual of old rank {r} has dtype {got}; a "
                 f"{template['dtype']} gradient's residual is {work}"
             )
         residuals.append(res)
@@ -385,7 +385,7 @@ def _prepare(obj, states, world_size):
     """This rank's part of a load: ("same", its own state) or ("folded", the folded state)."""
     comm = _control(obj)
     P = world_size
-    if not 1 <= check_int("world_size", P) <= _MAX_WORLD_SIZE:
+    if not 1 <= check_int("world_size", P) <= MAX_P:
         raise ValueError(f"world_size must be an integer in [1, 2**31 - 1], got {P!r}")
     if not isinstance(states, dict):
         raise TypeError(f"states must be a dict of old rank -> state, got {type(states).__name__}")

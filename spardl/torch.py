@@ -163,7 +163,7 @@ def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=N
     c = Comm(_world() if comm is None else comm)
     try:
         rank, size = c.rank, c.size
-        _refuse_torchrun(c.size if comm is None else _world().Get_size())
+        _refuse_torchrun(_world().Get_size())
         if dist.is_initialized():
             if dist.get_rank() != rank or dist.get_world_size() != size:
                 raise RuntimeError(

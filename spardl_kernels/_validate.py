@@ -123,12 +123,16 @@ def check_n(n):
     return n
 
 
+#: The most ranks a communicator holds (MPI's ranks and sizes are C ints).
+MAX_P = 2**31 - 1
+
+
 def check_P(P):
-    """A number of blocks (ranks): an integer in [1, 2**31 - 1] (what an MPI communicator
+    """A number of blocks (ranks): an integer in [1, :data:`MAX_P`] (what an MPI communicator
     can hold); returns it as ``int``."""
     P = check_int("P", P)
     require(P >= 1, "P", lambda: f"must be >= 1, got {P}")
-    require(P < 2**31, "P", lambda: f"must be <= 2**31 - 1 (a number of ranks), got {P}")
+    require(P <= MAX_P, "P", lambda: f"must be <= 2**31 - 1 (a number of ranks), got {P}")
     return P
 
 

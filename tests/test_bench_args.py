@@ -164,15 +164,7 @@ BAD = [
 )
 def test_bad_bench_argument_is_a_usage_error(script, args, option, tmp_path):
     args = [a.replace("{out}", str(tmp_path / "x.json")) for a in args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
-    proc = subprocess.run(
-        [sys.executable, f"bench/{script}", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _bench(f"bench/{script}", *args)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -201,8 +193,12 @@ def test_bench_usage_error_is_printed_once_under_mpiexec(script, args, message):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def _env():
-    return {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
+def _bench(*argv) -> subprocess.CompletedProcess:
+    """``python *argv`` from the checkout, outside any MPI launcher's environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 # Runs a bench script as if this machine could not build an emulated cluster (no root nor
@@ -227,14 +223,7 @@ def test_a_cluster_that_cannot_be_built_is_a_usage_error(script, args, tmp_path)
     """Found by check_quick() right after parsing, before any job: one line, status 2, nothing
     written (it was a ClusterError traceback)."""
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-c", NO_CAP, f"bench/{script}", *args, "--out", str(out)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _bench("-c", NO_CAP, f"bench/{script}", *args, "--out", str(out))
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -244,18 +233,10 @@ def test_a_cluster_that_cannot_be_built_is_a_usage_error(script, args, tmp_path)
 
 def test_a_training_job_that_times_out_is_one_line_status_1(tmp_path):
     """The job is killed after --timeout: one line on stderr and status 1, no traceback."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "bench/training.py",
-            *("-n", "2", "--epochs", "1", "--configs", "dense", "--timeout", "0.5"),
-            *("--out", str(tmp_path)),
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = _bench(
+        "bench/training.py",
+        *("-n", "2", "--epochs", "1", "--configs", "dense", "--timeout", "0.5"),
+        *("--out", str(tmp_path)),
     )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr

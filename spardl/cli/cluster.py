@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .common import POSITIVE_FLOAT, POSITIVE_INT, output_file
+from .common import POSITIVE_FLOAT, output_file
 
 __all__ = ["add_cluster", "rate_type", "time_type"]
 
@@ -43,25 +43,28 @@ def time_type(text: str) -> str:
     return _checked_text("parse_time", text)
 
 
-def _nodes_type(text: str) -> int:
-    from ..cluster import MAX_NODES
+def _count_type(limit: str):
+    """argparse ``type=``: an integer in [1, ``spardl.cluster.<limit>``] (the module is loaded
+    when an option is parsed, not when the parser is built)."""
 
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 1 <= v <= MAX_NODES:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_NODES}], got {v}")
-    return v
+    def parse(text: str) -> int:
+        from .. import cluster
+
+        top = getattr(cluster, limit)
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not 1 <= v <= top:
+            raise argparse.ArgumentTypeError(f"must be in [1, {top}], got {v}")
+        return v
+
+    parse.__name__ = "int"
+    return parse
 
 
-def _ranks_type(text: str) -> int:
-    from ..cluster import MAX_RANKS_PER_NODE
-
-    v = POSITIVE_INT(text)
-    if v > MAX_RANKS_PER_NODE:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_RANKS_PER_NODE}], got {v}")
-    return v
+_nodes_type = _count_type("MAX_NODES")
+_ranks_type = _count_type("MAX_RANKS_PER_NODE")
 
 
 def add_cluster(sub) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "POSITIVE_FLOAT",
     "LEARNING_RATE",
     "MOMENTUM",
+    "MAX_RANKS",
     "output_file",
     "output_file_parents",
     "output_dir",
@@ -76,6 +77,10 @@ LEARNING_RATE = option_type(
     float, lambda v: 0 < v <= 3.4028234663852886e38, "a number in (0, 3.4e38] (float32's range)"
 )
 
+
+#: The most ranks a launcher here starts on one machine (``spardl demo``, the bench drivers):
+#: far more than it has cores for.
+MAX_RANKS = 1024
 
 # Output paths. Checked before any work, and without creating or changing anything: under
 # mpiexec every rank parses the same options at once.

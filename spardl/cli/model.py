@@ -18,6 +18,8 @@ import json
 import math
 import sys
 
+from spardl_kernels._validate import MAX_P
+
 from .common import POSITIVE_INT, option_type, plot_file, run_collective
 
 __all__ = [
@@ -42,9 +44,6 @@ MODELS = {
 }
 
 
-_MAX_P = 2**31 - 1  # an MPI world's size is a C int
-
-
 def parse_P(text: str) -> list[int]:
     """World sizes from ``"256"``, ``"8,64,256"`` or a range ``"2-4096"``.
 
@@ -63,7 +62,7 @@ def parse_P(text: str) -> list[int]:
         try:
             if "-" in part:
                 lo, hi = (int(v) for v in part.split("-", 1))
-                if lo < 1 or hi < lo or hi > _MAX_P:
+                if lo < 1 or hi < lo or hi > MAX_P:
                     raise ValueError
                 out.update({lo, hi})
                 p = 1
@@ -73,7 +72,7 @@ def parse_P(text: str) -> list[int]:
                     p *= 2
             else:
                 v = int(part)
-                if not 1 <= v <= _MAX_P:
+                if not 1 <= v <= MAX_P:
                     raise ValueError
                 out.add(v)
         except ValueError:

@@ -11,7 +11,15 @@ from pathlib import Path
 
 from ..mpiexec import mpiexec_path
 from .cluster import rate_type
-from .common import DENSITY, POSITIVE_FLOAT, POSITIVE_INT, SEED, option_type, run_collective
+from .common import (
+    DENSITY,
+    MAX_RANKS,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    SEED,
+    option_type,
+    run_collective,
+)
 
 __all__ = ["add_train", "add_demo", "launch_train"]
 
@@ -101,9 +109,10 @@ def add_demo(sub) -> None:
     p.add_argument(
         "--world-size",
         "-n",
-        type=option_type(int, lambda v: 1 <= v <= 1024, "an integer in [1, 1024]"),
+        type=option_type(int, lambda v: 1 <= v <= MAX_RANKS, f"an integer in [1, {MAX_RANKS}]"),
         default=4,
-        help="P, 1 to 1024; with --bandwidth, one node each: at most 250 (default: %(default)s)",
+        help=f"P, 1 to {MAX_RANKS}; with --bandwidth, one node each: at most 250 "
+        "(default: %(default)s)",
     )
     p.add_argument("--density", type=DENSITY, default=0.01, help="default: %(default)s")
     p.add_argument("--epochs", type=POSITIVE_INT, default=None, help="default: the train default")
