@@ -95,14 +95,6 @@ def check_gradient_scale(scale: float, dtype, n: int, P: int) -> str | None:
     )
 
 
-def cluster_problem() -> str | None:
-    """Why an emulated cluster cannot be built here (no root / CAP_NET_ADMIN, a missing tool),
-    in one line, or None; creates nothing (:func:`spardl.cluster.check_quick`)."""
-    from spardl.cluster import check_quick
-
-    return check_quick()
-
-
 __all__ = [
     "Parser",
     "option_type",
@@ -119,7 +111,6 @@ __all__ = [
     "t3_bound",
     "max_gradient_scale",
     "check_gradient_scale",
-    "cluster_problem",
     "nonempty_names",
     "comma_list",
     "output_file",

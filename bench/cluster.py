@@ -34,7 +34,6 @@ from bench._args import (  # noqa: E402
     POSITIVE_FLOAT,
     POSITIVE_INT,
     Parser,
-    cluster_problem,
     output_dir,
 )
 
@@ -57,6 +56,7 @@ def _args(argv):
     # Every option checked here, before any node is created.
     import spardl
     from spardl.cli.cluster import rate_type
+    from spardl.cluster import check_quick
 
     ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -80,7 +80,7 @@ def _args(argv):
         unknown = [s for s in names if s not in spardl.ALGORITHMS]
         if unknown or not names:
             ap.error(f"unknown algorithm(s) {unknown}; known: {sorted(spardl.ALGORITHMS)}")
-    problem = cluster_problem()  # creates nothing
+    problem = check_quick()  # creates nothing
     if problem:
         ap.error(problem)
     return a

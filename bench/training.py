@@ -36,13 +36,12 @@ from bench._args import (  # noqa: E402
     POSITIVE_INT,
     SEED,
     Parser,
-    cluster_problem,
     option_type,
     output_dir,
 )
 from spardl.cli import launch_train  # noqa: E402
 from spardl.cli.cluster import rate_type  # noqa: E402
-from spardl.cluster import MAX_NODES  # noqa: E402
+from spardl.cluster import MAX_NODES, check_quick  # noqa: E402
 
 # P: every table compares bytes and times with the dense allreduce's, and at P = 1 no allreduce
 # sends a byte (nothing to compare); MAX_RANKS is far more ranks than one machine has cores for.
@@ -300,10 +299,11 @@ def _args(argv):
     args = p.parse_args(argv)
     for label in args.configs:  # spardl train refuses teams that do not divide P, but late
         config = CONFIGS[label]
-        if "--teams" in config and args.world_size % int(config[config.index("--teams") + 1]):
+        teams = int(config[config.index("--teams") + 1]) if "--teams" in config else 1
+        if args.world_size % teams:
             p.error(
-                f"argument --configs: {label} needs a world size divisible by "
-                f"{config[config.index('--teams') + 1]}, got --world-size {args.world_size}"
+                f"argument --configs: {label} needs a world size divisible by {teams}, got "
+                f"--world-size {args.world_size}"
             )
     if args.bandwidth is not None:
         if args.world_size > MAX_NODES:
@@ -311,7 +311,7 @@ def _args(argv):
                 f"argument --world-size/-n: an emulated cluster has at most {MAX_NODES} nodes "
                 f"(one rank each), got {args.world_size}"
             )
-        problem = cluster_problem()  # creates nothing
+        problem = check_quick()  # creates nothing
         if problem:
             p.error(f"argument --bandwidth: {problem}")
     return args
