@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 __all__ = [
+    "MAX_WORLD_SIZE",
     "check_int",
     "check_int_at_least",
     "check_float",
@@ -25,6 +26,11 @@ __all__ = [
     "malformed",
     "type_name",
 ]
+
+
+#: The most ranks a world holds: MPI's ranks and sizes are C ints (the kernels' ``check_P`` has
+#: the same bound; that package does not import this one).
+MAX_WORLD_SIZE = 2**31 - 1
 
 
 def type_name(value) -> str:

@@ -56,9 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spardl_kernels._validate import MAX_P
-
-from ._checks import check_density, check_int, malformed
+from ._checks import MAX_WORLD_SIZE, check_density, check_int, malformed
 from .algorithms.base import Allreducer, collective_check
 from .comm import Comm, name_hash
 from .dtypes import work_dtype
@@ -114,7 +112,7 @@ def folded_ranks(world_size: int, new_world_size: int, rank: int) -> list[int]:
     shrinking sums the fewest residuals per new rank.
     """
     for name, v in (("world_size", world_size), ("new_world_size", new_world_size)):
-        if not 1 <= check_int(name, v) <= MAX_P:
+        if not 1 <= check_int(name, v) <= MAX_WORLD_SIZE:
             raise ValueError(f"{name} must be an integer in [1, 2**31 - 1], got {v!r}")
     if not 0 <= check_int("rank", rank) < new_world_size:
         raise ValueError(f"rank must be in [0, {new_world_size}), got {rank}")
@@ -385,7 +383,7 @@ def _prepare(obj, states, world_size):
     """This rank's part of a load: ("same", its own state) or ("folded", the folded state)."""
     comm = _control(obj)
     P = world_size
-    if not 1 <= check_int("world_size", P) <= MAX_P:
+    if not 1 <= check_int("world_size", P) <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be an integer in [1, 2**31 - 1], got {P!r}")
     if not isinstance(states, dict):
         raise TypeError(f"states must be a dict of old rank -> state, got {type(states).__name__}")

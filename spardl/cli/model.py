@@ -18,8 +18,7 @@ import json
 import math
 import sys
 
-from spardl_kernels._validate import MAX_P
-
+from .._checks import MAX_WORLD_SIZE
 from .common import POSITIVE_INT, option_type, plot_file, run_collective
 
 __all__ = [
@@ -62,7 +61,7 @@ def parse_P(text: str) -> list[int]:
         try:
             if "-" in part:
                 lo, hi = (int(v) for v in part.split("-", 1))
-                if lo < 1 or hi < lo or hi > MAX_P:
+                if lo < 1 or hi < lo or hi > MAX_WORLD_SIZE:
                     raise ValueError
                 out.update({lo, hi})
                 p = 1
@@ -72,7 +71,7 @@ def parse_P(text: str) -> list[int]:
                     p *= 2
             else:
                 v = int(part)
-                if not 1 <= v <= MAX_P:
+                if not 1 <= v <= MAX_WORLD_SIZE:
                     raise ValueError
                 out.add(v)
         except ValueError:
