@@ -395,7 +395,16 @@ def packed_capacity(nblocks: int, max_pairs: int, index_dtype, value_dtype) -> i
     int
         The size in bytes of a :func:`pack_blocks` message of that many pairs (counts,
         indices, padding to 8 bytes, values).
+
+    Raises
+    ------
+    TypeError
+        If ``nblocks`` or ``max_pairs`` is not an integer (Python or NumPy; a bool is not).
+    ValueError
+        If ``nblocks`` or ``max_pairs`` is negative.
     """
+    check_int_at_least("nblocks", nblocks, 0)
+    check_int_at_least("max_pairs", max_pairs, 0)
     isz = np.dtype(index_dtype).itemsize
     return _align8((nblocks + max_pairs) * isz) + max_pairs * np.dtype(value_dtype).itemsize
 
@@ -681,10 +690,10 @@ def wire_capacity(nblocks: int, max_pairs: int, index_dtype, value_dtype, wire="
     ValueError
         If ``nblocks`` or ``max_pairs`` is negative.
     """
-    check_int_at_least("nblocks", nblocks, 0)
-    check_int_at_least("max_pairs", max_pairs, 0)
     if wire == "coo":
         return packed_capacity(nblocks, max_pairs, index_dtype, value_dtype)
+    check_int_at_least("nblocks", nblocks, 0)
+    check_int_at_least("max_pairs", max_pairs, 0)
     isz = np.dtype(index_dtype).itemsize
     return wire_codec.encoded_capacity(nblocks, max_pairs, isz, value_dtype)
 

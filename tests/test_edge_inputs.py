@@ -1,13 +1,20 @@
 """Edge inputs to schedules.num_rounds, the "coo" packing of spardl.comm (pack_blocks,
-unpack_blocks, wire_capacity, wire_index_dtype) and SparseResult: a ValueError or TypeError
-naming the argument where they used to wrap, broadcast, or fail with a raw error. No MPI."""
+unpack_blocks, packed_capacity, wire_capacity, wire_index_dtype) and SparseResult: a ValueError
+or TypeError naming the argument where they used to wrap, broadcast, or fail with a raw error.
+No MPI."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from spardl.comm import pack_blocks, unpack_blocks, wire_capacity, wire_index_dtype
+from spardl.comm import (
+    pack_blocks,
+    packed_capacity,
+    unpack_blocks,
+    wire_capacity,
+    wire_index_dtype,
+)
 from spardl.result import SparseResult
 from spardl.schedules import num_rounds, srs_schedule
 
@@ -130,7 +137,7 @@ def test_unpack_still_takes_its_own_messages():
 # -- wire_capacity / wire_index_dtype ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("wire", ["coo", "compact"])
+@pytest.mark.parametrize("wire", ["coo", "compact", "packed_capacity"])
 @pytest.mark.parametrize(
     ("nblocks", "max_pairs", "error", "name"),
     [
@@ -145,7 +152,10 @@ def test_unpack_still_takes_its_own_messages():
 )
 def test_wire_capacity_checks_its_counts(wire, nblocks, max_pairs, error, name):
     with pytest.raises(error, match=f"^{name} must be"):
-        wire_capacity(nblocks, max_pairs, np.int32, np.float32, wire)
+        if wire == "packed_capacity":  # the "coo" size, also called on its own
+            packed_capacity(nblocks, max_pairs, np.int32, np.float32)
+        else:
+            wire_capacity(nblocks, max_pairs, np.int32, np.float32, wire)
 
 
 def test_wire_capacity_still_counts():
