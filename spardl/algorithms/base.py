@@ -756,8 +756,9 @@ class Allreducer:
         ValueError
             On every rank, if some rank's state misses a key, comes from another algorithm, n,
             world size or rank, has a negative ``step`` or ``calls`` or a ``density`` outside
-            (0, 1], holds a NaN or Inf in its
-            residual (unless ``nonfinite="propagate"``), or the ranks' states disagree on the
+            (0, 1], holds a NaN or Inf in its residual (unless ``nonfinite="propagate"``) or a
+            non-zero residual where this allreducer has ``residual="none"`` (it would drop
+            those entries), or the ranks' states disagree on the
             step, the call count, the density or what the algorithm's messages depend on
             (:meth:`_state_signature`: Ok-Topk's regions and global threshold, SparDL's h),
             or some rank is not in this load (stepping, say), or the allreducer is closed.
@@ -919,6 +920,12 @@ class Allreducer:
         if self.nonfinite != "propagate" and not np.all(np.isfinite(host)):
             raise ValueError(
                 "state residual holds NaN or Inf, which only nonfinite='propagate' can produce"
+            )
+        if self.residual_mode == "none" and np.any(host != 0):
+            raise ValueError(
+                "state residual holds the entries a run with error feedback has not applied "
+                "yet, and this allreducer has residual='none', which would drop them: load it "
+                "with residual='global' or 'local', or zero state['residual'] to drop them"
             )
 
     def __repr__(self) -> str:

@@ -280,6 +280,37 @@ def test_state_from_another_configuration_is_rejected(comm, algorithm):
             c.load_state_dict(a.state_dict())
 
 
+@pytest.mark.parametrize("algorithm", [a for a in ALGS if a != "dense"])
+def test_a_residual_is_not_loaded_where_it_would_be_dropped(comm, algorithm):
+    """A state saved with error feedback once loaded into residual="none", which ignored the
+    entries it had yet to apply while its state_dict kept returning them: refused on every rank
+    (the last rank's residual alone is non-zero), with the state unchanged. A residual="none"
+    state (zeros) still loads there, and the refused one into residual="local"."""
+    n = 300
+    g = grads_for(comm, n, np.float32, seed=5)[comm.rank]
+    a = spardl.make(algorithm, comm, n, density=0.05, residual="local")
+    a(g)
+    state = a.state_dict()
+    assert np.any(state["residual"] != 0)
+    if comm.rank != comm.size - 1:
+        state["residual"] = np.zeros_like(state["residual"])
+    b = spardl.make(algorithm, comm, n, density=0.05, residual="none")
+    with pytest.raises(ValueError) as info:
+        b.load_state_dict(state)
+    if comm.rank == comm.size - 1:
+        assert "residual='none', which would drop them" in str(info.value)
+    assert b.state_dict()["step"] == 0 and b.state_dict()["residual"] is None
+    c = spardl.make(algorithm, comm, n, density=0.05, residual="none")
+    c(g)
+    b.load_state_dict(c.state_dict())
+    assert b.state_dict()["step"] == 1
+    d = spardl.make(algorithm, comm, n, density=0.05, residual="local")
+    d.load_state_dict(state)
+    np.testing.assert_array_equal(d.residual, state["residual"])
+    for ar in (a, b, c, d):
+        ar.comm.free()
+
+
 MALFORMED = [
     ({"residual": np.zeros(300, np.float64)}, TypeError, "residual has dtype"),
     ({"residual": np.zeros(300, np.int64)}, TypeError, "residual has dtype"),
