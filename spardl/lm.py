@@ -237,6 +237,31 @@ def bits_per_char(logits, targets) -> float:
     return float(ce) / math.log(2)
 
 
+#: Attention scores one evaluation pass may hold in each layer (windows × heads × T², float32:
+#: 1 GiB). Evaluation runs without gradients through PyTorch's fused encoder path, which
+#: materialises the scores that training's memory-efficient attention does not.
+EVAL_MAX_SCORES = 2**28
+
+
+def eval_windows(heads: int, context: int, most: int = 16) -> int:
+    """Windows per evaluation pass: ``most``, fewer where their attention scores would pass
+    :data:`EVAL_MAX_SCORES` (long contexts), at least 1.
+
+    Parameters
+    ----------
+    heads, context : int
+        The model's attention heads and T.
+    most : int, default 16
+        The most windows per pass.
+
+    Returns
+    -------
+    int
+        In [1, ``most``].
+    """
+    return max(1, min(most, EVAL_MAX_SCORES // (heads * context * context)))
+
+
 def evaluate(model, x, y, batch: int = 16) -> tuple[float, float]:
     """Validation bits per character and next-character accuracy of ``model`` on (x, y).
 
@@ -529,7 +554,7 @@ def train(tr, data: dict, resumed: dict | None) -> tuple[list[dict], dict]:
         }
         if rank == 0:
             entry["val_bits_per_char"], entry["val_accuracy"] = evaluate(
-                tr.model, data["val_x"], data["val_y"]
+                tr.model, data["val_x"], data["val_y"], eval_windows(args.heads, args.context)
             )
             tr.log(
                 f"step {step:5d}/{args.steps}  train {entry['train_bits_per_char']:.3f} bpc  "

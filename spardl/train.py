@@ -24,6 +24,7 @@ import glob
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from .cli.common import (
     POSITIVE_INT,
     SEED,
     UsageError,
+    path,
 )
 
 __all__ = [
@@ -351,17 +353,17 @@ def _add_run_options(p) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
-        "--out", type=Path, default=None, help="write DIR/metrics.json and DIR/training.png"
+        "--out", type=path, default=None, help="write DIR/metrics.json and DIR/training.png"
     )
     p.add_argument(
         "--checkpoint",
-        type=Path,
+        type=path,
         default=None,
         help="save PATH.rank{r}.pt after every epoch (lm: every evaluation)",
     )
     p.add_argument(
         "--resume",
-        type=Path,
+        type=path,
         default=None,
         help="resume from PATH.rank{r}.pt (written by --checkpoint), at any number of ranks; "
         "the files are pickles: resume only from files you trust",
@@ -535,22 +537,58 @@ def _check_lm_sizes(args, P: int) -> None:
 MIN_BYTES_PER_PARAMETER = 16
 
 
+#: Bytes a ``--task lm`` rank holds for its activations at the least, per character of its
+#: batch (--batch-size × --context), unit of --width and layer: the float32 tensors each
+#: block keeps for its backward pass (its input, both layer norms' outputs, q, k and v, the
+#: attention's output, the feed-forward's 4·width hidden layer before and after GELU: 16).
+#: Measured: about 20 (forward pass at width 128, 20 and 60 layers, batch 8 × 128).
+LM_MIN_ACTIVATION_BYTES = 16 * 4
+
+
 def _model_numel(args) -> int:
     """Parameters of the model ``args`` describes, counted on PyTorch's meta device (nothing is
     allocated): the model of ``--task``, ``--model``, ``--width`` and, for lm, ``--layers``,
-    ``--heads``, ``--context`` and the training split's vocabulary (``--seed``)."""
+    ``--heads``, ``--context`` and the training split's vocabulary (``--seed``). For lm, one
+    and two blocks are built and the count extended to ``--layers`` (the blocks are alike):
+    the time does not grow with the layers. OverflowError where PyTorch cannot describe the
+    model (a width whose tensors pass its size limits)."""
     import torch
 
     from . import lm
 
-    with torch.device("meta"):
-        if args.task == "lm":
+    try:
+        with torch.device("meta"):
+            if args.task != "lm":
+                return sum(p.numel() for p in build_model(args.width, args.model).parameters())
             train_text, _, _, _ = lm.load_split(args.seed, lm.DEFAULTS["val_fraction"])
             vocab = lm.build_vocab(train_text)
-            model = lm.build_model(len(vocab), args.width, args.layers, args.heads, args.context)
-        else:
-            model = build_model(args.width, args.model)
-    return sum(p.numel() for p in model.parameters())
+            one, two = (
+                sum(
+                    p.numel()
+                    for p in lm.build_model(
+                        len(vocab), args.width, blocks, args.heads, args.context
+                    ).parameters()
+                )
+                for blocks in (1, 2)
+            )
+    except (RuntimeError, TypeError, OverflowError) as e:  # PyTorch's size arithmetic
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OverflowError(f"PyTorch cannot build it ({first})") from e
+    return one + (two - one) * (args.layers - 1)
+
+
+def _activation_bytes(args) -> int:
+    """Bytes of activations a rank holds at the least besides the model (lm: the blocks'
+    saved tensors, :data:`LM_MIN_ACTIVATION_BYTES`, the causal mask, T² float32, and rank 0's
+    attention scores while it evaluates; digits: not counted, small beside its model)."""
+    if args.task != "lm":
+        return 0
+    from . import lm
+
+    chars = args.batch_size * args.context
+    mask = 4 * args.context**2
+    scores = 4 * lm.eval_windows(args.heads, args.context) * args.heads * args.context**2
+    return chars * args.width * args.layers * LM_MIN_ACTIVATION_BYTES + mask + scores
 
 
 def _available_memory() -> int | None:
@@ -575,18 +613,29 @@ def _check_memory(args, job) -> None:
 
     host = socket.gethostname()
     local_ranks = job.allgather_object(host).count(host)  # the ranks on this node
-    n = _model_numel(args)
-    need = n * MIN_BYTES_PER_PARAMETER * local_ranks
-    have = _available_memory()
+    shape = f"--width {args.width}" + (
+        f", --layers {args.layers}, --context {args.context}, --batch-size {args.batch_size}"
+        if args.task == "lm"
+        else ""
+    )
     problem = None
-    if have is not None and need > have:
-        shape = f"--width {args.width}" + (
-            f", --layers {args.layers}, --context {args.context}" if args.task == "lm" else ""
+    try:
+        n = _model_numel(args)
+    except OverflowError as e:
+        n, problem = 0, f"the model ({shape}) is too large: {e}"
+    per_rank = n * MIN_BYTES_PER_PARAMETER + _activation_bytes(args)
+    need = per_rank * local_ranks
+    have = _available_memory()
+    if problem is None and have is not None and need > have:
+        activations = (
+            f" and {_activation_bytes(args) / 2**30:.1f} GiB of activations"
+            if args.task == "lm"
+            else ""
         )
         problem = (
             f"the model ({shape}) has {n:,} parameters: at least {need / 2**30:.1f} GiB for "
             f"the {local_ranks} rank(s) on this node ({MIN_BYTES_PER_PARAMETER} bytes per "
-            f"parameter each), more than the {have / 2**30:.1f} GiB available"
+            f"parameter{activations} each), more than the {have / 2**30:.1f} GiB available"
         )
     _agreed(job, problem)
 
@@ -629,6 +678,7 @@ def _run_options(args, P: int) -> dict:
     opts = {"world_size": P, **{k: getattr(args, k, None) for k in RUN_OPTIONS}}
     if not opts["density_warmup"]:
         opts["warmup_density"] = None
+    opts["warmup_steps"] = _warmup_steps(args)  # the steps run, however they were asked for
     return opts
 
 
@@ -664,11 +714,50 @@ def _saved_options(ck: dict) -> dict:
     }
     if theirs.get("task") == "lm" and "lr_warmup" not in theirs and "steps" in theirs:
         theirs = {**theirs, "lr_warmup": round(_OLD_LR_WARMUP_FRACTION * theirs["steps"])}
+    if "warmup_steps" in theirs and theirs["warmup_steps"] is None:  # saved as given: the default
+        theirs = {**theirs, "warmup_steps": 2 if theirs.get("hook") == "ddp" else 0}
     return theirs
 
 
 #: What every ``spardl train`` checkpoint file holds (besides its position and world size).
 _CHECKPOINT_KEYS = ("model", "optimizer", "reducer")
+
+
+def _digest(obj) -> str:
+    """SHA-256 of a state as saved: tensors and arrays by dtype, shape and bytes, dicts, lists
+    and tuples in order, anything else by its repr. A file damaged inside a tensor's data
+    still loads (the pickle does not check it), so a checkpoint carries the digests of its
+    states (``sha256``) and a resume compares them."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+
+    def walk(x) -> None:
+        if isinstance(x, torch.Tensor):
+            x = (
+                x.detach().cpu().contiguous().numpy()
+                if x.dtype != torch.bfloat16
+                else (x.detach().cpu().contiguous().view(torch.int16).numpy())
+            )
+        if isinstance(x, np.ndarray):
+            h.update(f"array {x.dtype.str} {x.shape};".encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, dict):
+            h.update(f"dict {len(x)};".encode())
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"{type(x).__name__} {len(x)};".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"{type(x).__name__} {x!r};".encode())
+
+    walk(obj)
+    return h.hexdigest()
 
 
 def _check_resume(args, job):
@@ -701,6 +790,13 @@ def _check_resume(args, job):
             )
         if ck.get("rank", rank) != rank:
             raise ValueError(f"{path} holds rank {ck['rank']}'s state, not rank {rank}'s")
+        saved = ck.get("sha256") or {}  # none in the checkpoints of an older spardl
+        damaged = [k for k in _CHECKPOINT_KEYS if k in saved and saved[k] != _digest(ck[k])]
+        if damaged:
+            raise ValueError(
+                f"{path} is damaged: its {', '.join(damaged)} state does not match the SHA-256 "
+                "digest written with it"
+            )
         if first is not None and where(ck) != first:
             raise ValueError(
                 f"{path} is of {where(ck)}, rank 0's of {first}: not one checkpoint (a job "
@@ -772,7 +868,17 @@ def _check_paths(args, job) -> None:
     try:
         resume = None if args.resume is None else _ckpt_path(args.resume, 0)
         if resume is not None and not resume.exists():
-            problem = f"--resume: no checkpoint {resume}"
+            problem = f"--resume: no checkpoint {resume}" + (
+                f" ({args.resume} is a directory: --resume takes the prefix --checkpoint was "
+                f"given, such as {args.resume / 'ckpt'})"
+                if args.resume.is_dir()
+                else ""
+            )
+        elif args.checkpoint is not None and args.checkpoint.is_dir():
+            problem = (
+                f"--checkpoint: {args.checkpoint} is a directory; the option takes a prefix "
+                f"(each rank writes PREFIX.rank{{r}}.pt), such as {args.checkpoint / 'ckpt'}"
+            )
         elif args.out is not None and job.rank == 0:
             args.out.mkdir(parents=True, exist_ok=True)
             _probe_writable(args.out)
@@ -917,6 +1023,33 @@ def _accuracy(model, x, y) -> float:
     return float((pred == y).float().mean())
 
 
+#: Names of the launchers whose standard error a rank's own (a pipe) is forwarded to.
+_LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "srun")
+
+
+def _stderr_reaches_a_terminal() -> bool:
+    """Whether what this process writes to stderr ends on a terminal: its stderr is one, or,
+    under a launcher (whose ranks write into pipes that it forwards), the stderr of the
+    launcher that started it on this node is (Linux: its ancestors in ``/proc``, up to 8
+    levels). False where that cannot be told: rank 0 started on another node, no ``/proc``."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        return True
+    pid = os.getppid()
+    for _ in range(8):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            if name.startswith(_LAUNCHERS):
+                return os.readlink(f"/proc/{pid}/fd/2").startswith(("/dev/pts/", "/dev/tty"))
+            pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid <= 1:
+            return False
+    return False
+
+
 class _Trainer:
     """What the tasks' training loops share: the options, the job's own communicator, the
     model and its optimizer, the allreducer (a reducer, or DDP with the hook), progress and
@@ -932,8 +1065,10 @@ class _Trainer:
         self.density = reported_density(args)  # what the header says (1 for dense)
 
     def start_progress(self, total: int) -> None:
-        """A progress bar of ``total`` steps on rank 0 (unless ``--no-progress``)."""
-        if self.rank == 0 and not self.args.no_progress:
+        """A progress bar of ``total`` steps on rank 0, where it reaches a terminal
+        (:func:`_stderr_reaches_a_terminal`; never with ``--no-progress``): redrawn with
+        carriage returns, it would fill a log file with partial lines."""
+        if self.rank == 0 and not self.args.no_progress and _stderr_reaches_a_terminal():
             from tqdm import tqdm
 
             self.progress = tqdm(total=max(0, total), unit="step", leave=False, dynamic_ncols=True)
@@ -984,6 +1119,7 @@ class _Trainer:
             "reducer": (self.reducer if self.reducer is not None else self.hook_state).state_dict(),
             "elapsed": time.perf_counter() - self.t_start,
         }
+        ck["sha256"] = {key: _digest(ck[key]) for key in _CHECKPOINT_KEYS}
         _write_checkpoint(self.job, args.checkpoint, self.rank, self.P, ck)
 
 
@@ -1103,6 +1239,10 @@ def run(args, world) -> dict | None:
     _resolve_task(args)
     _check_args(args, world.Get_size())
     t_start = time.perf_counter()
+    # A line as it is printed: under mpiexec stdout is a pipe, block-buffered by default, so a
+    # job killed mid-run would lose the epochs it had logged (and checkpointed).
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     job = Comm(world)  # the job's own small collectives, kept out of the allreducer's counters
     rank, P = job.rank, job.size
     _check_paths(args, job)
@@ -1147,6 +1287,10 @@ def run(args, world) -> dict | None:
         **_run_metrics(args, P, tr.n_params),
         **task_metrics,
         "wall_seconds": wall,
+        "train_seconds": _train_seconds(args.task, history),
+        # False for a run stopped by --stop-after (resume it with --resume): its final
+        # metrics are those of where it stopped, not of the schedule's end.
+        "completed": _completed(args, history),
         "bytes_sent_per_rank": float(sent.mean()),
         "bytes_sent_by_rank": [int(b) for b in sent],
         "history": history,
@@ -1164,6 +1308,23 @@ def run(args, world) -> dict | None:
         (_plot_lm if args.task == "lm" else _plot)(metrics, args.out / "training.png")
         tr.log(f"wrote {args.out / 'metrics.json'} and {args.out / 'training.png'}")
     return metrics
+
+
+def _train_seconds(task: str, history: list[dict]) -> float:
+    """Seconds in the training steps, evaluation excluded, over the whole run (a resumed run's
+    history included): the sum of the digits task's per-epoch seconds, the lm task's running
+    total at its last evaluation."""
+    if not history:
+        return 0.0
+    if task == "lm":
+        return float(history[-1]["seconds"])
+    return float(sum(e["seconds"] for e in history))
+
+
+def _completed(args, history: list[dict]) -> bool:
+    """Whether the run trained to the end of its schedule (--epochs or --steps)."""
+    key, last = ("step", args.steps) if args.task == "lm" else ("epoch", args.epochs)
+    return bool(history) and history[-1][key] == last
 
 
 def _task_setup(args, rank: int, P: int):

@@ -284,3 +284,15 @@ def test_evaluate_refuses_an_empty_validation_set():
     empty = torch.zeros((0, 4), dtype=torch.int64)
     with pytest.raises(ValueError, match="y holds no prediction"):
         lm.evaluate(model, empty, empty)
+
+
+def test_evaluation_passes_keep_their_attention_scores_bounded():
+    """Evaluation ran 16 windows per pass at any context: 13 windows of 4,096 characters took
+    4 GB on one rank; the default context still runs 16 (the documented figures' passes)."""
+    assert lm.eval_windows(4, 128) == 16
+    assert lm.eval_windows(2, 4096) == 8  # 8 × 2 × 4096² = 2^28 scores
+    assert lm.eval_windows(4, 4096) == 4
+    assert lm.eval_windows(4, 16384) == 1  # at least one window
+    for heads, context in [(1, 1), (3, 1000), (8, 3000)]:
+        w = lm.eval_windows(heads, context)
+        assert 1 <= w <= 16 and (w == 1 or w * heads * context**2 <= lm.EVAL_MAX_SCORES)

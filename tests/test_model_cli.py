@@ -294,11 +294,15 @@ def test_the_demo_summary_states_bytes_without_a_meaningless_ratio():
         # mpiexec took any -n; across emulated links, 251 nodes was a traceback from Cluster.
         (["-n", "2000"], "--world-size/-n: must be an integer in [1, 1024]"),
         (["-n", "251", "--bandwidth", "1gbit"], "--bandwidth: at most 250 emulated nodes"),
+        # Path("") is the current folder, where both runs once wrote; a file was found only
+        # after mpiexec had started.
+        (["--out", ""], "argument --out: must be a path, got an empty string"),
+        (["--out", "/etc/passwd"], "argument --out: cannot write /etc/passwd"),
     ],
 )
 def test_demo_refuses_a_world_it_cannot_run_before_any_run(argv, message, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "spardl", "demo", *argv, "--out", str(tmp_path)],
+        [sys.executable, "-m", "spardl", "demo", "--out", str(tmp_path), *argv],
         capture_output=True,
         text=True,
         timeout=60,

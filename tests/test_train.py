@@ -38,6 +38,7 @@ REQUIRED = {
     "epochs",
     "final_test_accuracy",
     "wall_seconds",
+    "train_seconds",
     "bytes_sent_per_rank",
     "history",
 }
@@ -81,6 +82,10 @@ def test_smoke_one_epoch_writes_metrics(one_epoch, runs):
     assert m["final_test_accuracy"] == m["history"][-1]["test_accuracy"]
     assert m["final_test_accuracy"] > 0.1  # better than chance after one epoch
     assert m["bytes_sent_per_rank"] > 0 and m["wall_seconds"] > 0
+    # the training steps' seconds, evaluation and start-up excluded
+    assert m["train_seconds"] == sum(e["seconds"] for e in m["history"]) > 0
+    assert m["train_seconds"] < m["wall_seconds"]
+    assert m["completed"] is False  # stopped after epoch 1 of 2
     assert len(m["bytes_sent_by_rank"]) == 2
     assert m["wire"] == "coo" and m["warmup_steps"] == 0  # the reducer's default, resolved
     assert "resumed_from" not in m
@@ -147,6 +152,7 @@ def test_resume_at_another_world_size(one_epoch, runs):
     assert "resumed at P=3 from a checkpoint of P=2" in proc.stdout
     m = json.loads((runs / "p3out" / "metrics.json").read_text())
     assert m["world_size"] == 3 and m["resumed_from"] == {"world_size": 2, "epoch": 1}
+    assert m["completed"] is True  # the resumed run trained to its schedule's end
     old = [_load(runs / f"ck1.rank{r}.pt") for r in range(2)]
     new = [_load(runs / f"p3.rank{r}.pt") for r in range(3)]
     steps_per_epoch = {ck["options"]["world_size"]: ck["reducer"]["step"] for ck in old}
@@ -218,6 +224,16 @@ def test_a_diverging_run_ends_with_one_line_and_status_1(tmp_path):
         (["--dense-numel", "-1"], "argument --dense-numel: must be an integer >= 0, got -1"),
         # 1.8e15 parameters: refused before any rank allocates them.
         (["--width", "10000000"], "parameters: at least"),
+        # Sizes PyTorch cannot describe: refused, not its traceback from every rank.
+        (["--width", "100000000000000000000"], "is too large: PyTorch cannot build it"),
+        (["--model", "mlp", "--width", "4000000000"], "is too large: PyTorch cannot build it"),
+        # Path("") is the current folder: never what was meant.
+        (["--out", ""], "argument --out: must be a path, got an empty string"),
+        (["--checkpoint", ""], "argument --checkpoint: must be a path, got an empty string"),
+        (["--resume", ""], "argument --resume: must be a path, got an empty string"),
+        # A directory as --checkpoint once wrote DIR.rank0.pt beside it.
+        (["--checkpoint", "{tmp}"], "is a directory; the option takes a prefix"),
+        (["--resume", "{tmp}"], "is a directory: --resume takes the prefix"),
         (["--wire", "fp16"], "--wire fp16 applies to --algorithm dense only"),
         (
             ["--algorithm", "dense", "--wire", "compact"],
@@ -243,14 +259,22 @@ def test_bad_option_is_a_usage_error_on_every_rank(tmp_path, option, message):
 def test_a_checkpoint_whose_files_are_not_one_set_is_a_usage_error(one_epoch, runs, tmp_path):
     """--resume from files that are not one checkpoint (of two steps, as a job stopped between
     two ranks' writes leaves them; rank 0's file under rank 1's name; a pickle that is no
-    checkpoint): one line naming the problem, status 2, on every rank, nothing trained."""
+    checkpoint; a file whose tensor data changed after it was written): one line naming the
+    problem, status 2, on every rank, nothing trained."""
     ck0, ck1 = _load(runs / "ck1.rank0.pt"), _load(runs / "ck1.rank1.pt")
     torch.save(ck0, tmp_path / "mix.rank0.pt")
     torch.save({**ck1, "epoch": ck1["epoch"] + 1}, tmp_path / "mix.rank1.pt")
     torch.save(ck0, tmp_path / "swap.rank0.pt")
     torch.save(ck0, tmp_path / "swap.rank1.pt")
     torch.save({"a": 1}, tmp_path / "none.rank0.pt")
+    # Damaged inside a tensor's data (the pickle still loads): once resumed with the ranks'
+    # models differing, silently.
+    torch.save(ck0, tmp_path / "bad.rank0.pt")
+    name = next(iter(ck1["model"]))
+    ck1["model"][name].view(-1)[0] += 1.0
+    torch.save(ck1, tmp_path / "bad.rank1.pt")
     for name, message in [
+        ("bad", "bad.rank1.pt is damaged: its model state does not match the SHA-256 digest"),
         ("mix", "is of P=2, epoch 2, rank 0's of P=2, epoch 1: not one checkpoint"),
         ("swap", "swap.rank1.pt holds rank 0's state, not rank 1's"),
         ("none", "none.rank0.pt is not a spardl train checkpoint (no model, optimizer, reducer)"),
@@ -284,6 +308,102 @@ def test_a_checkpoint_path_reused_at_a_smaller_then_larger_world_size(tmp_path):
     assert [_load(tmp_path / f"ck.rank{r}.pt")["epoch"] for r in range(2)] == [3, 3]
     proc = run_mpi(2, [*base, "--resume", str(ck)], timeout=240, env=ENV)
     assert "nothing to train: the checkpoint is at epoch 3 of 3" in proc.stdout
+
+
+def test_an_option_given_at_its_default_resumes(one_epoch, runs, tmp_path):
+    """--warmup-steps 0 is the reducer's default: a resume that gives it must take a checkpoint
+    saved without it, also one whose options hold it as given (None, as spardl once saved
+    them), where the resume was refused as "saved with --warmup-steps None"."""
+    for r in range(2):
+        ck = _load(runs / f"ck1.rank{r}.pt")
+        assert ck["options"]["warmup_steps"] == 0  # saved resolved now
+        ck["options"]["warmup_steps"] = None
+        torch.save(ck, tmp_path / f"old.rank{r}.pt")
+    argv = [*COMMON, "--epochs", "2", "--resume", str(tmp_path / "old"), "--warmup-steps", "0"]
+    proc = run_mpi(2, argv, timeout=240, env=ENV)
+    assert "epoch   2/2" in proc.stdout
+
+
+def test_an_lm_too_deep_for_memory_is_refused_at_once(tmp_path):
+    """10^8 blocks: the count once built every block on the meta device (hours). 20,000: the
+    check counted parameters only (4 GB at 16 bytes each), not the activations (168 GB), so
+    deep models passed it and were killed for memory (2,000 blocks, on a 24 GiB machine)."""
+    for layers in ("100000000", "20000"):
+        argv = ["-m", "spardl", "train", "--task", "lm", "--steps", "1", "--eval-every", "1"]
+        proc = run_mpi(1, [*argv, "--layers", layers], timeout=120, env=ENV, check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert "GiB of activations each), more than the" in proc.stderr, proc.stderr
+
+
+def test_ctrl_c_ends_every_rank_in_one_line_with_status_130(tmp_path):
+    """mpiexec passes SIGINT to every rank: each once printed a KeyboardInterrupt traceback and
+    "rank 0 failed; aborting every rank", as for a crash. The epoch lines logged before it
+    reach a redirected stdout (it was block-buffered, and a killed job lost them)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mpirun import mpiexec
+
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    cmd = [mpiexec(), "-n", "2", sys.executable, *COMMON, "--epochs", "100000"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
+    env.update(ENV, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    env.pop("PYTHONUNBUFFERED", None)  # as a user's shell has it
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fo, stderr=fe)
+        try:
+            deadline = time.monotonic() + 180
+            while "epoch   2/" not in out.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, err.read_text()
+                time.sleep(0.5)
+            assert "epoch   2/" in out.read_text(), "no epoch line reached the file"
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = err.read_text()
+    assert code == 130, text
+    assert "spardl train: interrupted on rank" in text
+    assert "Traceback" not in text and "failed; aborting" not in text
+
+
+def test_no_progress_bar_reaches_a_redirected_log(tmp_path):
+    """Without --no-progress the bar was drawn whatever stderr was, and a log redirected to a
+    file filled with carriage-return redraws; now it is drawn where mpiexec's stderr is a
+    terminal (a pseudo-terminal here), and a log gets the epoch lines alone."""
+    import os
+    import subprocess
+    import sys
+
+    from mpirun import mpiexec
+
+    argv = [a for a in COMMON if a != "--no-progress"]
+    proc = run_mpi(2, [*argv, "--epochs", "1"], timeout=240, env=ENV)
+    assert "\r" not in proc.stdout + proc.stderr and "epoch   1/1" in proc.stdout
+    probe = "from spardl.train import _stderr_reaches_a_terminal as f; print(f())"
+    main, sub = os.openpty()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
+        for stderr in (subprocess.PIPE, sub):
+            tty = subprocess.run(
+                [mpiexec(), "-n", "2", sys.executable, "-c", probe],
+                cwd=ROOT,
+                env={**env, **ENV},
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                timeout=120,
+            )
+            want = "True" if stderr == sub else "False"
+            assert tty.stdout.split() == [want, want], tty.stdout
+    finally:
+        os.close(main)
+        os.close(sub)
 
 
 def test_a_batch_larger_than_a_shard_is_said(tmp_path):
@@ -472,7 +592,13 @@ def test_lm_sizes_are_bounded_usage_errors(option, message):
     ("P", "option", "message"),
     [
         (2, ["--density", "0.5"], "saved with --density 0.01; this run has --density 0.5"),
-        (2, ["--hook", "ddp"], "saved with --hook reducer; this run has --hook ddp"),
+        # The hook's default warm-up differs too (the steps run, as saved and compared).
+        (
+            2,
+            ["--hook", "ddp"],
+            "saved with --hook reducer, --warmup-steps 0; "
+            "this run has --hook ddp, --warmup-steps 2",
+        ),
         (2, ["--algorithm", "topka"], "saved with --algorithm spardl"),
         (2, ["--wire", "compact"], "saved with --wire coo; this run has --wire compact"),
         # At another world size (an elastic resume) the other options must match all the same:

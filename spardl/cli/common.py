@@ -141,6 +141,14 @@ def output_file_parents(text: str) -> str:
     return _file(text, parents=True)
 
 
+def path(text: str) -> Path:
+    """argparse ``type=``: any path but an empty string (``Path("")`` is the current folder,
+    never what was meant), as a Path; what the program does with it is checked where it
+    knows (``spardl train`` checks its paths collectively, on every rank)."""
+    _nonempty(text)
+    return Path(text)
+
+
 def output_dir(text: str) -> Path:
     """argparse ``type=``: a directory the program writes into (created with its parents where
     missing), checked before any work; as a Path."""
@@ -203,15 +211,24 @@ def run_collective(fn, *args, prog: str = "spardl") -> int:
     rank alike, before any communication) is printed once by rank 0 and gives status 2. A
     :class:`spardl.NonFiniteError` (a reduced gradient with NaN or Inf: every rank raises it at
     the same step, so nothing waits) is printed once by rank 0 and gives status 1, without a
-    traceback or an abort.
+    traceback or an abort. A rank interrupted (Ctrl-C: mpiexec passes SIGINT to every rank)
+    says so in one line, without a traceback, and ends the job with status 130, as a shell
+    does for an interrupted command.
     """
     from ..algorithms.base import NonFiniteError
-    from ..comm import abort_on_exception
+    from ..comm import _mpi_abort, abort_on_exception
 
     world = _world()
     try:
-        with abort_on_exception(world, reraise=(UsageError, NonFiniteError)):
+        with abort_on_exception(world, reraise=(UsageError, NonFiniteError, KeyboardInterrupt)):
             fn(*args, world)
+    except KeyboardInterrupt:  # the others may be waiting for this rank: the job ends
+        print(
+            f"{prog}: interrupted on rank {world.Get_rank()}; ending every rank",
+            file=sys.stderr,
+            flush=True,
+        )
+        _mpi_abort(world, 130)
     except UsageError as e:  # raised by every rank before any communication: no abort needed
         if world.Get_rank() == 0:
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ from .common import (
     POSITIVE_INT,
     SEED,
     option_type,
+    output_dir,
     run_collective,
 )
 
@@ -117,7 +118,7 @@ def add_demo(sub) -> None:
     p.add_argument("--density", type=DENSITY, default=0.01, help="default: %(default)s")
     p.add_argument("--epochs", type=POSITIVE_INT, default=None, help="default: the train default")
     p.add_argument("--seed", type=SEED, default=0, help="default: %(default)s")
-    p.add_argument("--out", type=Path, default=Path("runs"), help="default: %(default)s")
+    p.add_argument("--out", type=output_dir, default=Path("runs"), help="default: %(default)s")
     p.add_argument("--timeout", type=POSITIVE_FLOAT, default=900, help="per run, seconds")
     p.add_argument(
         "--bandwidth",
@@ -207,8 +208,12 @@ def _cmd_demo(args) -> int:
         dens = f"{m['density']:.3g}" if name != "dense" else "1"
         print(
             f"{name:<10} {dens:>8} {m['final_test_accuracy']:>9.2%} "
-            f"{m['bytes_sent_per_rank'] / 1e6:>13.3f} {m['wall_seconds']:>8.1f} {wall:>7.1f}"
+            f"{m['bytes_sent_per_rank'] / 1e6:>13.3f} {m['train_seconds']:>8.1f} {wall:>7.1f}"
         )
+    print(
+        "train s: the training steps on rank 0 (evaluation excluded); job s: the whole mpiexec "
+        "job, start-up included."
+    )
     print("\n" + bytes_sentence(*(r[1]["bytes_sent_per_rank"] for r in rows[:2])))
     print("Metrics and plots: " + ", ".join(str(r[3]) for r in rows))
     return 0
