@@ -120,6 +120,11 @@ def check_counter(name: str, value) -> int:
     return int(value)
 
 
+class OptionMismatch(ValueError):
+    """A state saved under another option than this object's (a load refuses it naming both),
+    as opposed to a malformed one (:func:`malformed`)."""
+
+
 def malformed(e: BaseException) -> ValueError:
     """The ValueError a load raises for a state it could not take (``e``: a KeyError for a
     missing field, an OverflowError of a number past a float, ...), ``e`` as its cause."""

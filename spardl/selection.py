@@ -23,6 +23,7 @@ from spardl_kernels.devices import is_device_array
 
 from . import _arrays as A
 from ._checks import (
+    OptionMismatch,
     check_counter,
     check_float,
     check_int,
@@ -186,8 +187,9 @@ class Selector:
                 f"selector state must be a dict (from state_dict()), got {type_name(state)}"
             )
         if state.get("kind") != self.kind:
-            raise ValueError(
-                f"selector state is for {state.get('kind')!r}, this selector is {self.kind!r}"
+            raise OptionMismatch(
+                f"state was saved with selector={state.get('kind')!r}, this allreducer has "
+                f"selector={self.kind!r}"
             )
 
 

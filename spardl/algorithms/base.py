@@ -22,7 +22,15 @@ import numpy as np
 import spardl_kernels as K
 
 from .. import _arrays as A
-from .._checks import check_bool, check_choice, check_counter, check_density, check_int, malformed
+from .._checks import (
+    OptionMismatch,
+    check_bool,
+    check_choice,
+    check_counter,
+    check_density,
+    check_int,
+    malformed,
+)
 from ..comm import WIRES, Comm, name_hash, signature_digest, signature_field
 from ..cost_model import budget as cost_budget
 from ..dtypes import work_dtype as _work_dtype
@@ -884,6 +892,9 @@ class Allreducer:
             if density != self.density:  # saved after set_density: ρ, k and what derives
                 self._apply_density(density)
             self._load_extra_state(extra)
+        except OptionMismatch:  # saved under another option: said as it is
+            self._restore(saved)
+            raise
         except Exception as e:  # noqa: BLE001 - a malformed state: restored, then a ValueError
             self._restore(saved)
             raise malformed(e) from e

@@ -311,6 +311,24 @@ def test_a_residual_is_not_loaded_where_it_would_be_dropped(comm, algorithm):
         ar.comm.free()
 
 
+@pytest.mark.parametrize("algorithm", ["spardl", "oktopk"])
+def test_a_state_of_another_selector_is_named_as_such(comm, algorithm):
+    """A state saved with selector="exact" loaded into selector="threshold" was called
+    "malformed": it names the option on both sides now, on every rank, the state unchanged."""
+    n = 200
+    a = spardl.make(algorithm, comm, n, density=0.05, selector="exact")
+    a(grads_for(comm, n, np.float32, seed=9)[comm.rank])
+    b = spardl.make(algorithm, comm, n, density=0.05, selector="threshold")
+    with pytest.raises(ValueError) as info:
+        b.load_state_dict(a.state_dict())
+    assert "state was saved with selector='exact', this allreducer has selector='threshold'" in (
+        str(info.value)
+    )
+    assert "malformed" not in str(info.value) and b.state_dict()["step"] == 0
+    for ar in (a, b):
+        ar.comm.free()
+
+
 MALFORMED = [
     ({"residual": np.zeros(300, np.float64)}, TypeError, "residual has dtype"),
     ({"residual": np.zeros(300, np.int64)}, TypeError, "residual has dtype"),
