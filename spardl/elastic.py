@@ -284,6 +284,62 @@ def _fold_allreducer(states, template, world_size, new_world_size, rank) -> dict
     return out
 
 
+def _fold_keyed(states, template, world_size, new_world_size, n) -> dict:
+    """The ``allreducer`` entry of an overlap-mode hook state (the residuals of its ``n``
+    elements by parameter key, ``keys`` and ``numels`` checked equal on every old rank by
+    :func:`_fold_torch`) for a rank of the new world: the sum of ``states``' residuals, the
+    template's step, marked ``resized_from`` (each bucket's allreducer derives everything else
+    afresh)."""
+    if not isinstance(template, dict):
+        raise TypeError(f"a state's allreducer must be a dict, got {type(template).__name__}")
+    none = template.get("residual") is None
+    dtype = None
+    for r, st in states:
+        if not isinstance(st, dict):
+            raise TypeError(
+                f"the allreducer state of old rank {r} must be a dict, got {type(st).__name__}"
+            )
+        missing = [k for k in ("residual", "step", "world_size") if k not in st]
+        if missing:
+            raise ValueError(f"the state of old rank {r} is missing key(s) {missing}")
+        if st["world_size"] != world_size:
+            raise ValueError(
+                f"the state given as old rank {r} of {world_size} was saved at world size "
+                f"{st['world_size']!r}"
+            )
+        if st["step"] != template.get("step"):
+            raise ValueError(
+                f"the old ranks' states disagree on step: {template.get('step')!r} and "
+                f"{st['step']!r} (rank {r}); not one checkpoint?"
+            )
+        res = st["residual"]
+        if (res is None) != none:
+            raise ValueError(
+                f"old rank {r}'s state {'holds' if none else 'lacks'} a residual where the "
+                "others' do not; not one checkpoint?"
+            )
+        if res is None:
+            continue
+        res = np.asarray(res)
+        if res.shape != (n,) or res.dtype.kind != "f" or dtype not in (None, res.dtype):
+            raise ValueError(
+                f"the residual of old rank {r} has shape {res.shape} and dtype {res.dtype}, "
+                f"expected ({n},) and one float dtype on every old rank"
+            )
+        dtype = res.dtype
+    out = {
+        "residual": None,
+        "step": template.get("step", 0),
+        "world_size": new_world_size,
+        "resized_from": world_size,
+    }
+    if not none:
+        residuals = [st["residual"] for _, st in states]
+        # A new rank starts at zero; each bucket converts the residuals to its own dtype.
+        out["residual"] = _fold_sum(residuals, dtype) if residuals else np.zeros(n, np.float32)
+    return out
+
+
 def _fold_torch(states, template, world_size, new_world_size, rank) -> dict:
     """The torch reducer's or hook state's state for rank ``rank`` of the new world: the
     allreducer part folded, the velocities summed by parameter, the counters of the old rank of
@@ -300,14 +356,19 @@ def _fold_torch(states, template, world_size, new_world_size, rank) -> dict:
                 )
     out = dict(template)
     ar = template.get("allreducer")
+    # The hook's overlap mode keeps one allreducer per DDP bucket: its state holds every
+    # parameter's residual by key ("by_key") beside the buckets' whole states, which belong to
+    # the old world and are left out (the new one's buckets start from the folded residuals).
+    keyed = bool(template.get("by_key"))
+    if keyed:
+        out.pop("buckets", None)
     if ar is not None:
-        out["allreducer"] = _fold_allreducer(
-            [(r, st.get("allreducer")) for r, st in states],
-            ar,
-            world_size,
-            new_world_size,
-            rank,
-        )
+        pairs = [(r, st.get("allreducer")) for r, st in states]
+        if keyed:
+            n = sum(int(m) for m in template.get("numels") or [])
+            out["allreducer"] = _fold_keyed(pairs, ar, world_size, new_world_size, n)
+        else:
+            out["allreducer"] = _fold_allreducer(pairs, ar, world_size, new_world_size, rank)
     velocities = [st.get("velocity") or {} for _, st in states]
     keys = sorted({k for v in velocities for k in v}, key=str)
     out["velocity"] = {

@@ -330,6 +330,15 @@ def _tensor(a, like: torch.Tensor) -> torch.Tensor:
     return t if like.device.type == "cpu" else t.to(like.device)
 
 
+def _own_tensor(a, like: torch.Tensor) -> torch.Tensor:
+    """A torch view of an allreducer's array ``a`` where it lives, never a copy (unlike
+    :func:`_tensor`, whose copy of a host residual for a CUDA ``like`` would take no write):
+    on ``like``'s device for a device array, else on the host."""
+    if A.is_device(a):
+        return torch.as_tensor(a, device=like.device)
+    return torch.from_numpy(np.asarray(a))
+
+
 def _sync(t: torch.Tensor) -> None:
     """Wait for the device's queued work when ``t`` is a CUDA tensor (no-op on the CPU)."""
     if t.is_cuda:
@@ -407,7 +416,8 @@ def _named_trainable(params) -> tuple[list, list]:
         If ``params`` is a single tensor or holds something else than tensors, or a trainable
         parameter is not floating point.
     ValueError
-        If ``params`` holds a parameter twice or none with ``requires_grad``.
+        If ``params`` holds a parameter twice, two under one name (its state is kept by name),
+        none with ``requires_grad`` or none of them with elements.
 
     A trainable tensor that is not a leaf of the autograd graph (the result of an operation,
     such as ``w * 2``) gets no ``.grad`` from ``backward()``: a TypeError too.
@@ -418,14 +428,20 @@ def _named_trainable(params) -> tuple[list, list]:
             "single Tensor; pass [tensor]"
         )
     named, frozen = [], []
-    seen = {}
+    seen, names = {}, set()
     for i, item in enumerate(params):
         name, p = item if isinstance(item, tuple) else (str(i), item)
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"params must hold tensors, got {type(p).__name__}")
         if id(p) in seen:
             raise ValueError(f"params holds the same parameter twice ({seen[id(p)]} and {name})")
+        if name in names:
+            raise ValueError(
+                f"params holds two parameters named {name!r} (residuals and velocities are "
+                "kept by name)"
+            )
         seen[id(p)] = name
+        names.add(name)
         if p.requires_grad and not p.is_leaf:
             raise TypeError(
                 f"params must hold leaf tensors (parameters), got {name}, the result of an "
@@ -434,6 +450,12 @@ def _named_trainable(params) -> tuple[list, list]:
         (named if p.requires_grad else frozen).append((name, p))
     if not named:
         raise ValueError("params holds no parameter with requires_grad=True")
+    if not any(p.numel() for _, p in named):
+        empty = ", ".join(name for name, _ in named)
+        raise ValueError(
+            f"params holds no parameter with elements (every trainable one has 0: {empty}); "
+            "there is nothing to reduce"
+        )
     bad = sorted({str(p.dtype) for _, p in named if not p.dtype.is_floating_point})
     if bad:
         raise TypeError(f"params must be floating point, got dtype(s) {bad}")
@@ -821,58 +843,66 @@ class _Core:
         """Reduce ``self.flat`` in place; the slices ``unused`` (no rank used those parameters,
         their result is discarded) keep their residual (and velocity) as they were.
 
+        An unused slice takes no part in the step: its input is zeroed (a DDP bucket may hold
+        a stale gradient there) and its residual set aside before the allreduce (so it competes
+        for none of the k places of the used parameters and is neither sent nor clipped) and
+        put back after it, whether the step is applied, skipped or raises; the result holds no
+        entries there.
+
         With the techniques of :class:`_Techniques`, in this order: the density of this step
         (warm-up schedule), local clipping of the gradient, the velocity u ← m·u + g (which
         becomes the allreducer's input), the allreduce, and factor masking of u."""
+        for a, b in unused:
+            self.flat[a:b].zero_()
         dense = self.step < self.warmup_steps or self.all_small
         ar = self.allreducer(dense)
         before_density = self._warm_density(ar, dense)
         if self.tech.clip_norm is not None:
             self._clip()
         u_before, x_in = self._accumulate_velocity(ar, unused, dense)
-        keep = []
         holder = self.sparse if not dense or self.all_small else None  # the residual's owner
-        if unused and holder is not None and holder.residual_mode != "none":
-            res = _tensor(holder.residual, self.flat)
-            keep = [(a, b, res[a:b].clone()) for a, b in unused]
-        # A residual on what is now reduced dense (a loaded state saved with a smaller
-        # dense_numel): sent with it and cleared, so nothing is lost or left stranded, and put
-        # back if the step raises or is skipped.
-        folded, small = [], None
-        if self.all_small and self.step >= self.warmup_steps:
-            folded = self._fold_residual(self.flat, [(0, self.n)])
-        if self.small and not dense:
-            small = torch.cat([self.flat[a:b] for a, b in self.small])
-            folded = self._fold_residual(small, self.small)
+        # Set aside first: an unused parameter's residual is neither folded into the dense part
+        # below nor selected by the sparse one.
+        kept = self._set_aside(holder, unused)
+        try:
+            # A residual on what is now reduced dense (a loaded state saved with a smaller
+            # dense_numel): sent with it and cleared, so nothing is lost or left stranded, and
+            # put back if the step raises or is skipped.
+            folded, small = [], None
+            if self.all_small and self.step >= self.warmup_steps:
+                folded = self._fold_residual(self.flat, [(0, self.n)])
+            if self.small and not dense:
+                small = torch.cat([self.flat[a:b] for a, b in self.small])
+                folded = self._fold_residual(small, self.small)
+                try:
+                    small = self._reduce_small(small, x_in)
+                except BaseException:
+                    self._undo(ar, u_before, before_density)
+                    self._unfold_residual(folded)
+                    raise
+                if small is False:  # nonfinite="skip": the whole step is dropped
+                    self._undo(ar, u_before, before_density)
+                    self._unfold_residual(folded)
+                    self.flat.zero_()  # the result, as a skipped sparse step leaves it
+                    return self._empty()
+            buf = _vector(self.flat)
+            _sync(self.flat)  # torch's writes to flat are done before the allreducer reads it
+            skipped = ar.stats.get("skipped_steps", 0)
             try:
-                small = self._reduce_small(small, x_in)
+                out = ar(buf)
             except BaseException:
                 self._undo(ar, u_before, before_density)
                 self._unfold_residual(folded)
                 raise
-            if small is False:  # nonfinite="skip": the whole step is dropped
+            applied = ar.stats.get("skipped_steps", 0) == skipped
+            if not applied:  # nonfinite="skip": as if the step had not been taken
                 self._undo(ar, u_before, before_density)
                 self._unfold_residual(folded)
-                self.flat.zero_()  # the result, as a skipped sparse step leaves it
-                return self._empty()
-        buf = _vector(self.flat)
-        _sync(self.flat)  # torch's writes to flat are done before the allreducer reads it
-        skipped = ar.stats.get("skipped_steps", 0)
-        try:
-            out = ar(buf)
-        except BaseException:
-            self._undo(ar, u_before, before_density)
-            self._unfold_residual(folded)
-            raise
-        applied = ar.stats.get("skipped_steps", 0) == skipped
-        if not applied:  # nonfinite="skip": as if the step had not been taken
-            self._undo(ar, u_before, before_density)
-            self._unfold_residual(folded)
-            x_in = None
-        if keep:
-            res = _tensor(holder.residual, self.flat)  # the allreducer's own array: a view
-            for a, b, v in keep:
-                res[a:b] = v
+                x_in = None
+        finally:
+            self._put_back(holder, kept)
+        if unused:
+            out = self._without(out, unused)
         out.to_dense(out=buf)  # into the flat buffer, on its device
         _sync(self.flat)
         if small is not None and applied:
@@ -889,6 +919,56 @@ class _Core:
         if applied:  # the schedules (dense warm-up, density warm-up) count applied steps
             self.step += 1
         return out
+
+    def _set_aside(self, holder, unused) -> list:
+        """Take the residual of the ``unused`` slices out of the allreducer ``holder`` (the
+        sparse allreducer that owns the residual, or None): returns [(start, end, values)] for
+        :meth:`_put_back` and leaves zeros there, so that parameters no rank used take no part
+        in the selection (their gradient is zero on every rank too)."""
+        if not unused or holder is None or holder._residual is None:
+            return []  # no residual yet: zero everywhere, nothing to set aside
+        if holder.residual_mode == "none":
+            return []
+        res = _own_tensor(holder.residual, self.flat)
+        kept = [(a, b, res[a:b].clone()) for a, b in unused]
+        for a, b, _ in kept:
+            res[a:b].zero_()
+        _sync(res)
+        return kept
+
+    def _put_back(self, holder, kept) -> None:
+        """Put the residual that :meth:`_set_aside` took back, exactly as it was (the step
+        left zeros there: nothing was selected or dropped on those slices)."""
+        if not kept:
+            return
+        res = _own_tensor(holder.residual, self.flat)  # moved to the device by the step, perhaps
+        for a, b, v in kept:
+            res[a:b].copy_(v)
+        _sync(res)
+
+    def _without(self, out, slices):
+        """The result ``out`` without its entries in ``slices`` (the parameters no rank used:
+        their values are not applied). The dense form is zero there already (every rank's
+        input was); a sparse one may hold entries of value zero there (a selection of k places
+        among fewer non-zeros), which are dropped."""
+        from .result import SparseResult
+
+        if out.is_dense:
+            return out
+        idx = _tensor(out.indices, self.flat)
+        if idx.numel() == 0:
+            return out
+        starts = torch.tensor([a for a, _ in slices], dtype=idx.dtype, device=idx.device)
+        ends = torch.tensor([b for _, b in slices], dtype=idx.dtype, device=idx.device)
+        at = torch.searchsorted(starts, idx, right=True) - 1  # the last slice starting at or before
+        inside = (at >= 0) & (idx < ends[at.clamp(min=0)])
+        if not bool(inside.any()):
+            return out
+        keep = ~inside
+        vals = _tensor(out.values, self.flat)
+        return SparseResult._of(
+            _vector(idx[keep].contiguous()), _vector(vals[keep].contiguous()), out.n
+        )
 
     def _reduce_small(self, parts, x_in):
         """``parts``, the parameters of :attr:`small` (at most ``dense_numel`` elements each,
@@ -1094,13 +1174,18 @@ class _Core:
     def state_dict(self) -> dict:
         keys, numels = self.keys, self.numels
         allreducer = None if self.sparse is None else self.sparse.state_dict()
+        extra = {}
         if self.sparse is None and self.pending is not None:
             # Loaded, not applied yet (the hook before its first sparse iteration): saved again
-            # as it was loaded, so a checkpoint taken now loses nothing.
+            # as it was loaded, so a checkpoint taken now loses nothing (an overlap-mode state's
+            # residuals by key stay marked as such).
             allreducer = self.pending.get("allreducer")
             keys, numels = self.pending.get("keys"), self.pending.get("numels")
+            if self.pending.get("by_key"):
+                extra["by_key"] = True
         return to_torch_state(
             {
+                **extra,
                 "algorithm": self.algorithm,
                 "step": self.step,
                 "keys": keys,
@@ -1239,8 +1324,10 @@ class _Core:
                     )
                 new[self.offsets[i] : self.offsets[i + 1]] = old[k]
         fresh.update(step=int(saved["step"]), dtype=str(dtype), residual=new)
-        if folded:  # the saved counters and density, this world's fresh estimates
-            fresh = {**saved, "dtype": str(dtype), "residual": new}
+        if folded:
+            # The saved counters and density, this world's fresh estimates; an overlap-mode
+            # state (residuals and step only) takes the rest from this allreducer.
+            fresh = {**fresh, **saved, "n": self.n, "dtype": str(dtype), "residual": new}
         load(fresh)
 
 
@@ -2188,7 +2275,8 @@ class SparseGradientReducer(_Front):
         On every rank, if any rank's parameters or options are invalid or the ranks disagree
         (any option, ``warmup_steps`` and the DGC options included, or the parameters' layout:
         their number of elements and order), naming the option that differs; a ``params`` that
-        is a single tensor, holds no parameter with ``requires_grad``, or holds one twice; a
+        is a single tensor, holds no parameter with ``requires_grad`` or none with elements,
+        holds one twice or two under one name; a
         ``factor_masking=False`` without ``momentum_correction`` or a ``warmup_density``
         without ``density_warmup``; a process started by ``torchrun`` for more processes than
         MPI's world holds (each would train alone: launch with ``mpiexec``). Other messages are

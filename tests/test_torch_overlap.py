@@ -74,9 +74,47 @@ def test_error_zeroes_that_buckets_future(checks):
     r = checks["errors"]
     for futures, raised in zip(r["futures"], r["hook_raised"], strict=True):
         assert futures[0] == "zeros"  # bucket 0 failed (inf on rank 1): nothing applied
-        assert futures[1:] == ["ok"] * 4  # bucket 1, then the whole next iteration
+        assert futures[1] == "ok"  # bucket 1 of that iteration is applied
+        # The next iteration runs and is counted; its fake buckets come without a backward
+        # pass, so no rank used their parameters and nothing of them is reduced (zeros). An
+        # iteration of used parameters after a failing bucket: the test after _iteration below.
+        assert futures[2:] == ["zeros"] * 3
         assert raised == ["NonFiniteError", "ok"]
     assert r["steps_after"] == 2
+
+
+ELASTIC_SCRIPT = "tests/scripts/torch_elastic_overlap.py"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sizes", [(2, 3), (2, 1), (3, 2)], ids=str)
+def test_an_overlap_checkpoint_resumes_at_another_world_size_in_either_mode(tmp_path, sizes):
+    """docs/reliability.md §4.1: an overlap-mode SparseHookState saved by
+    ``elastic.save_checkpoint`` at P ranks loads at P' ≠ P (it raised ``KeyError: 'rank'`` on
+    every rank) into overlap mode and into the default mode: each parameter's residual keeps
+    its sum over ranks (bit for bit when growing), the step carries over, and the next
+    iteration reduces the loaded residuals with the new gradients, conserving their mass."""
+    P, new = sizes
+    path, out = tmp_path / "overlap.zip", tmp_path / "loaded.json"
+    env = {"PYTHONPATH": str(ROOT)}
+    run_mpi(P, [ELASTIC_SCRIPT, "save", str(path)], timeout=240, env=env)
+    run_mpi(new, [ELASTIC_SCRIPT, "load", str(path), str(out)], timeout=240, env=env)
+    saved = json.loads(path.with_name(path.name + ".json").read_text())
+    loaded = json.loads(out.read_text())
+    assert saved["step"] == 3 and set(saved["sums"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert any(np.any(v) for v in saved["sums"].values())  # there is something to carry
+    for mode in ("overlap", "default"):
+        r = loaded[mode]
+        assert r["step"] == 3 and r["steps_after"] == 4, mode
+        assert set(r["sums"]) == set(saved["sums"]), mode
+        for k, want in saved["sums"].items():
+            got, want = np.asarray(r["sums"][k]), np.asarray(want)
+            if new >= P:
+                np.testing.assert_array_equal(got, want, err_msg=f"{mode} {k}")
+            else:
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=mode)
+        assert r["conservation_error"] <= 1e-5 * max(1.0, r["scale"]), mode
+        assert r["same_everywhere"] and r["moved"] > 0, mode
 
 
 # -- one rank, in this process ------------------------------------------------------------------
@@ -102,6 +140,38 @@ def _iteration(state, params, groups, seed):
             out[i] = flat[off : off + params[i].numel()].clone()
             off += params[i].numel()
     return out
+
+
+def test_the_iteration_after_a_failing_bucket_reduces_every_bucket():
+    """One rank: a NaN in bucket 0 raises NonFiniteError at the last bucket, bucket 0's future
+    is zeros and bucket 1's its result; the next iteration (a real backward, every parameter
+    used) reduces every bucket as usual."""
+    from mpi4py import MPI
+
+    import spardl
+    import spardl.torch as st
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 5, 3)]
+    state = st.SparseHookState(
+        MPI.COMM_SELF,
+        "spardl",
+        0,
+        density=0.5,
+        nonfinite="raise",
+        model=torch.nn.ParameterList(params),
+        overlap=True,
+    )
+    sum((i + 1) * p.sum() for i, p in enumerate(params)).backward()  # every parameter used
+    grads = [p.grad.clone() for p in params]
+    grads[0][3] = float("nan")
+    futs = [state._bucket(FakeBucket(b, grads[b], [params[b]], False)) for b in (0, 1)]
+    with pytest.raises(spardl.NonFiniteError):
+        state._bucket(FakeBucket(2, grads[2], [params[2]], True))
+    assert bool((futs[0].wait() == 0).all())
+    assert bool(futs[1].wait().any())
+    out = _iteration(state, params, [[0], [1], [2]], seed=1)
+    assert all(bool(out[i].any()) for i in range(3))
+    assert state.step == 2
 
 
 @pytest.mark.parametrize("algorithm", ["spardl", "oktopk"])

@@ -124,3 +124,20 @@ def test_a_state_with_parameters_of_no_elements_loads_where_they_are_gone():
     fewer = st.SparseGradientReducer([("a", params[0])], COMM, density=0.4)
     fewer.load_state_dict(red.state_dict())
     np.testing.assert_array_equal(fewer.residuals()["a"], red.residuals()["a"])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        # residuals() would have kept one of the two (by name)
+        (lambda a, b: [("x", a), ("x", b)], "two parameters named 'x'"),
+        # every trainable parameter of no elements: was "n must be >= 1, got 0"
+        (lambda a, b: [a[:0].detach().requires_grad_()], "no parameter with elements"),
+        (lambda a, b: [torch.nn.Parameter(torch.zeros(0, 3))], "no parameter with elements"),
+    ],
+    ids=["duplicate-name", "no-elements", "no-elements-2d"],
+)
+def test_duplicate_names_and_parameters_of_no_elements_are_refused_on_every_rank(make, message):
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=message):
+        st.SparseGradientReducer(make(a, b), COMM, "topka")
