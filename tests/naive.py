@@ -161,7 +161,7 @@ def _code16(v, M, B, s):
     if y == 0:
         return sign
     emin = 1 - B
-    E = math.floor(math.log2(y))
+    E = y.numerator.bit_length() - y.denominator.bit_length()  # within one of ⌊log₂ y⌋
     while Fraction(2) ** E > y:
         E -= 1
     while Fraction(2) ** (E + 1) <= y:
@@ -173,15 +173,18 @@ def _code16(v, M, B, s):
     return sign | (((E + B) << M) + r - (1 << M))
 
 
-def _value16(h, M, B, s):
+def _magnitude16(h, M, B, s):
+    """|value| of the 16-bit code h times 2^−s, exactly (a Fraction)."""
     from fractions import Fraction
 
     eb, man = (h >> M) & ((1 << (15 - M)) - 1), h & ((1 << M) - 1)
     if eb == 0:
-        y = Fraction(man) * Fraction(2) ** (1 - B - M - s)
-    else:
-        y = Fraction(man + (1 << M)) * Fraction(2) ** (eb - B - M - s)
-    f = float(y)  # correctly rounded
+        return Fraction(man) * Fraction(2) ** (1 - B - M - s)
+    return Fraction(man + (1 << M)) * Fraction(2) ** (eb - B - M - s)
+
+
+def _value16(h, M, B, s):
+    f = float(_magnitude16(h, M, B, s))  # correctly rounded
     return -f if h & 0x8000 else f
 
 
@@ -240,8 +243,11 @@ def encode_blocks(indices, values, counts, *, quantise=True):
             dec += val.tolist()
         else:
             M, B, _ = _WIRE_FORMATS[vcode]
+            top = Fraction(float(np.finfo(dt).max))
             for v in val.tolist():
                 h = _code16(v, M, B, s)
+                if _magnitude16(h, M, B, s) > top:
+                    h -= 1  # it would decode past the dtype's largest value: toward zero
                 out += h.to_bytes(2, "little")
                 dec.append(_value16(h, M, B, s))
     return np.frombuffer(bytes(out), np.uint8), np.array(dec, dtype=dt)

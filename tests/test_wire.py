@@ -2,6 +2,8 @@
 byte for byte, round trips exact, re-encoding what was decoded changes nothing, and the sender's
 remainder v − decoded(v) is exact in the value dtype."""
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -142,6 +144,71 @@ def test_fp16_blocks_are_numpy_float16_of_the_scaled_values(seed, dtype, exp):
     np.testing.assert_array_equal(dec, (halves.astype(np.float64) * 2.0**-s).astype(dtype))
     nz = v != 0
     assert np.all(np.abs(dec[nz] - v[nz]) <= np.abs(v[nz]) * 2.0**-11)
+
+
+@st.composite
+def near_the_top(draw):
+    """(values, dtype): one block of finite values up to the dtype's largest, most of them in
+    its top binade, where the 16-bit rounding of a value can carry past that largest value."""
+    dtype = draw(st.sampled_from(DTYPES))
+    top = float(np.finfo(dtype).max)
+    width = 32 if dtype == np.float32 else 64
+    edge = st.sampled_from([top, -top, top * (1 - 2.0**-12), top * (1 - 2.0**-9), 2.0**127])
+    elems = st.one_of(
+        st.floats(top / 2, top, width=width),
+        st.floats(-top, top, width=width),
+        st.floats(-(2.0**-100), 2.0**-100, width=width),
+        edge,
+    )
+    vals = draw(st.lists(elems, min_size=1, max_size=30))
+    return np.array(vals, dtype), np.dtype(dtype)
+
+
+@SETTINGS
+@given(near_the_top())
+def test_values_up_to_the_dtypes_max_decode_finite(msg):
+    """Values up to the dtype's largest decode finite (never ±inf), within one unit of the
+    16-bit format's last place, with an exact and finite remainder; the reference agrees byte
+    for byte and a relay's re-encoding changes nothing."""
+    val, dtype = msg
+    n = val.shape[0]
+    buf, dec = W.encode_blocks(np.arange(n), val, [n])
+    ref_buf, ref_dec = naive.encode_blocks(np.arange(n), val, [n])
+    assert buf.tobytes() == ref_buf.tobytes()
+    _same_values(dec, ref_dec)
+    _, _, got = W.decode_blocks(buf, 1, dtype)
+    assert got.tobytes() == dec.tobytes()
+    assert np.all(np.isfinite(got))
+    with np.errstate(over="raise", invalid="raise"):
+        rem = val - dec
+    wide = np.longdouble if dtype == np.float64 else np.float64
+    exact = np.asarray(val, wide) - np.asarray(dec, wide)
+    np.testing.assert_array_equal(np.asarray(rem, wide), exact)
+    assert np.all(np.isfinite(rem))
+    M = {W.FP16: 10, W.BF16: 7}[buf[1] >> 4]
+    big = np.abs(val) >= np.max(np.abs(val)) * 2.0**-20  # normal in either 16-bit format
+    unit = np.ldexp(1.0, np.frexp(np.abs(val[big]).astype(np.float64))[1] - 1 - M)
+    assert np.all(np.abs(exact[big]) < unit)
+    _, dec2 = W.encode_blocks(np.arange(n), got, [n])
+    assert dec2.tobytes() == dec.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("small", "code"), [(None, W.FP16), (1.0, W.BF16)])
+def test_the_largest_finite_value_rounds_toward_zero(dtype, small, code):
+    """max|v| = the dtype's largest: rounded to nearest it would decode as 2^(emax + 1) = inf;
+    it takes the largest code below, (2 − 2^−M)·2^emax, and the sender keeps the rest."""
+    info = np.finfo(dtype)
+    for sign in (1, -1):
+        v = np.array([sign * info.max] + ([] if small is None else [small]), dtype)
+        buf, dec = W.encode_blocks(np.arange(v.shape[0]), v, [v.shape[0]])
+        assert buf[1] >> 4 == code
+        M = 10 if code == W.FP16 else 7
+        want = sign * math.ldexp(2 - 2.0**-M, info.maxexp - 1)
+        assert dec[0] == dtype(want)
+        assert W.decode_blocks(buf, 1, dtype)[2].tobytes() == dec.tobytes()
+        with np.errstate(over="raise"):
+            assert v[0] - dec[0] == dtype(sign * (info.max - abs(want)))
 
 
 def test_codes_and_sizes():

@@ -22,6 +22,25 @@ _BOUND = {name: float(np.finfo(name).max) / 2 for name in ("float32", "float64")
 #: The values of ``wire_dtype``: None (the work dtype) or "float16".
 WIRE_DTYPES = (None, "float16")
 
+#: ``wire_dtype="float16"``: the most ranks for which the float16 sums of values scaled to
+#: P·M < 2^15 are known to stay below 65504 (every partial sum is at most P·M·2^e·(1 + 2^-11)^P,
+#: and (1 + 2^-11)^1024 < 1.7); beyond it, the sums are counted for NaN and ±inf.
+_HALF_SAFE_P = 1024
+
+
+def _pow2_steps(e, dtype) -> list[int]:
+    """Exponents that add up to e, each k with 2^k and 2^-k normal numbers of ``dtype``: the
+    remainder first, then steps of the largest such size (none for e = 0).
+
+    Multiplying by 2^k for each k in turn is multiplying by 2^e, exactly but for products
+    below the normal range (towards zero the small step comes first, so a value that ends
+    subnormal is rounded at the last step, once). One step covers every float32 e in ±126 and
+    every float64 e in ±1022, so the common case is the single multiplication it was."""
+    top = np.finfo(dtype).maxexp - 2
+    full, rest = divmod(abs(e), top)
+    sign = 1 if e > 0 else -1
+    return ([sign * rest] if rest else []) + [sign * top] * full
+
 
 class Dense(Allreducer):
     """Dense allreduce: every rank sends all n values; nothing is dropped (E_new = 0).
@@ -68,8 +87,12 @@ class Dense(Allreducer):
     in software (MPICH) run several times slower. What it drops: the rounding of every scaled
     g / s and of every partial sum to float16's 11 significant bits (fewer below 2^-28·P·M), and
     values below about 2^-39·P·M, which round to zero; nothing of it is kept (no residual), so
-    ``conserves`` is False.
-    A NaN or ±inf (M = inf) is summed unscaled and counted, as for the float32 sum.
+    ``conserves`` is False. e follows M over the whole range of the gradient's dtype (float64
+    gradients of 1e300 or 1e-300 included): the scalings are made in the work dtype, in steps
+    whose factors are normal numbers of it.
+    A NaN or ±inf (M = inf) is summed unscaled and counted, as for the float32 sum; so are sums
+    that, scaled back, could pass the work dtype's largest value (P·M ≥ 2^126 in float32,
+    2^1022 in float64, or P > 1024), so that an overflow to ±inf is never returned as finite.
 
     ``wire`` (the sparse message format of the other allreducers) is accepted, so that ``auto``
     can hand every candidate the same options, and changes nothing: dense sends no sparse
@@ -156,7 +179,7 @@ class Dense(Allreducer):
                 np.copyto(x, g)
             peak = ops.divide_max_abs(x, s)
         if half:
-            peak = self._sum_in_float16(x, peak, device, ops)
+            peak, bounded = self._sum_in_float16(x, peak, device, ops)
         elif many:
             buf[n] = peak
             with self.comm.phase("allreduce"):
@@ -165,7 +188,7 @@ class Dense(Allreducer):
             peak = float(buf[n])
         stats = self.comm.stats
         self.comm.next_step()
-        if peak < (math.inf if half else _BOUND[work.name]):
+        if bounded if half else peak < _BOUND[work.name]:
             finite = True
         else:  # a NaN or ±inf somewhere, or sums near the top of the range: count them
             finite = ops.canonical_count_nonfinite(x) == 0
@@ -175,44 +198,61 @@ class Dense(Allreducer):
         stats["steps"] += 1
         return SparseResult.from_dense(self._in_grad_dtype(x, finite)), True
 
-    def _sum_in_float16(self, x, peak, device, ops) -> float:
+    def _sum_in_float16(self, x, peak, device, ops) -> tuple[float, bool]:
         """``wire_dtype="float16"``: x (g / s in the work dtype) summed in float16, the sums
-        widened exactly back into x; returns M, the largest |g / s| over every rank (inf if any
-        is NaN or ±inf).
+        widened exactly back into x. Returns M, the largest |g / s| over every rank (inf if any
+        is NaN or ±inf), and whether every sum is known to be finite without a pass over x.
 
         M comes first (one MAX allreduce of one number); with M finite and non-zero, x is scaled
         by 2^e, the power of two that puts P·M in [2^14, 2^15), before it is rounded to float16
         and MPI sums it, and the sums are scaled back by 2^-e: no sum can pass ±65504, and
         values down to 2^-28·P·M stay normal floats (MPI libraries that sum float16 in software
-        slow down on subnormal ones). e is kept within ±126, so 2^e is a normal float32."""
+        slow down on subnormal ones). e is not bounded by the work dtype's range (a float64
+        gradient of 1e300 or 1e-300 needs e near ∓1000, and a float32 one of 1e-40 needs
+        e > 126): both scalings are made in the work dtype, in steps whose factors are normal
+        numbers of it (:func:`_pow2_steps`; one step for every float32 e in ±126 and float64 e
+        in ±1022). The sums are known to be finite when M is, P is at most 1024 and the scaled
+        back float16 range, 65504·2^-e, is inside the work dtype's; otherwise the caller counts
+        them, so that an overflow to ±inf (a sum of values near the dtype's largest) is caught."""
         n, wire = self.n, np.dtype(np.float16)
+        dtype = x.dtype
         if self.P > 1:
             with self.comm.phase("allreduce"):
                 peak = float(self.comm.allreduce(np.array([peak]), "max")[0])
         e = 0
         if 0 < peak < math.inf:
-            e = min(max(14 - math.frexp(self.P * peak)[1] + 1, -126), 126)
-        scale = x.dtype.type(2.0**e)
+            f, x_exp = math.frexp(peak)  # P·M = P·f·2^x_exp, which may overflow a float
+            e = 15 - x_exp - math.frexp(self.P * f)[1]
+        steps = _pow2_steps(e, dtype)
         if device:
-            if e:
-                ops.divide_max_abs(x, 1 / scale)  # x·2^e in place, exact
+            for k in steps:
+                ops.divide_max_abs(x, dtype.type(2.0**-k))  # x·2^k in place, exact
             buf = A.cast(x, wire)
         else:
             if self._half is None or self._half.shape[0] != n:
                 self._half = np.empty(n, wire)
             buf = self._half
+            *first, last = steps or [0]
+            for k in first:
+                np.multiply(x, dtype.type(2.0**k), out=x)
             with np.errstate(over="ignore"):  # past ±65504 (M not finite): ±inf, then counted
-                np.multiply(x, scale, out=buf, casting="same_kind")
+                np.multiply(x, dtype.type(2.0**last), out=buf, casting="same_kind")
         if self.P > 1:
             with self.comm.phase("allreduce"):
                 buf = self.comm.allreduce(buf, "sum", out=None if device else buf)
+        back = _pow2_steps(-e, dtype)
         if device:
-            ops.copy_into(x, A.cast(buf, x.dtype))
-            if e:
-                ops.divide_max_abs(x, scale)
+            ops.copy_into(x, A.cast(buf, dtype))
+            for k in back:
+                ops.divide_max_abs(x, dtype.type(2.0**-k))
         else:
-            np.multiply(buf, 1 / scale, out=x)
-        return peak
+            with np.errstate(over="ignore"):  # past the dtype's range: ±inf, then counted
+                np.multiply(buf, dtype.type(2.0 ** (back[0] if back else 0)), out=x)
+                for k in back[1:]:
+                    np.multiply(x, dtype.type(2.0**k), out=x)
+        bounded = 0 <= peak < math.inf and self.P <= _HALF_SAFE_P
+        bounded = bounded and 16 - e <= np.finfo(dtype).maxexp - 1  # 65504·2^-e < 2^(16-e)
+        return peak, bounded
 
     def _send_buffer(self, work, m, device):
         """The buffer of m work-dtype entries this step reduces in place: new on the device;

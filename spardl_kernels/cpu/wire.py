@@ -36,6 +36,11 @@ else, with e = ⌈log₂ max|v|⌉, ``FP16`` with s = 15 − e when every non-ze
 2^−8 down to 2^−126 of the largest). An all-zero block is ``FP16`` with s = 0. The scale is a
 power of two, so it is exact; only the rounding to 16 bits loses anything, and the decoded value
 (what every receiver gets) is returned to the sender too, so that it can keep the difference.
+One exception to rounding to nearest: with e one above the value dtype's top binade (e = 128 for
+float32, 1024 for float64), a value within half a 16-bit unit of 2^e would round to a code that
+decodes as 2^e, past the dtype's largest finite number; it takes the code below instead (rounded
+toward zero: less than one unit off, the decoded value finite and in the value's binade, so the
+sender's difference stays exact).
 
 Re-encoding what a receiver decoded (a relay in an all-gather) gives back the same values: the
 rule picks s from the largest magnitude rounded up to a power of two, which the rounding cannot
@@ -176,19 +181,26 @@ def _encode16(vbits, vals, dbits, dec, buf, p, lo, hi, M, B, s, bits, fbits):
     into dec (through its integer view dbits). The common case works on the bits alone: a normal
     input that stays normal is rounded by adding to its fraction bits (a carry moves into the
     exponent) and rebiased by s; the decoded value is the same rounded bits in the input's own
-    format. Subnormal inputs or outputs take :func:`_round16` on the scaled float64."""
+    format. Subnormal inputs or outputs take :func:`_round16` on the scaled float64.
+
+    A value that would round up past the input format's largest finite number (to 2^128 for
+    float32, 2^1024 for float64: only in a block with ⌈log₂ max|v|⌉ one above the format's top
+    binade) takes the code below instead, rounded toward zero: its decoded value stays finite
+    and in the value's own binade, so the remainder v − decoded(v) stays exact."""
     nbits = vbits.itemsize * 8
     mant = 23 if nbits == 32 else 52
     bias = 127 if nbits == 32 else 1023
     sh = mant - M
     half = (1 << (sh - 1)) - 1
+    # the largest rounded magnitude r whose bits r << sh are finite (below the all-ones exponent)
+    rtop = (((1 << (nbits - 1 - mant)) - 1) << (mant - sh)) - 1
     rebias = (bias - B - s) << M
     absmask = (1 << (nbits - 1)) - 1
     signbit = 1 << (nbits - 1)
     for j in range(lo, hi):
         u = np.int64(vbits[j])
         a = u & absmask
-        r = (a + half + ((a >> sh) & 1)) >> sh
+        r = min((a + half + ((a >> sh) & 1)) >> sh, rtop)
         h = r - rebias
         if a == 0:
             h = 0

@@ -193,20 +193,30 @@ def _reference_float16(comm, g, op):
     """``wire_dtype="float16"``: M = the largest |g / s| of every rank (MPI's MAX), g / s in the
     work dtype scaled by 2^e with P·M in [2^14, 2^15) and rounded to float16, MPI's own float16
     Allreduce of it, the sums widened to the gradient's dtype through the work dtype and scaled
-    back by 2^-e."""
+    back by 2^-e (``np.ldexp``: one rounding, whatever e, where 2^e itself may not be a number
+    of the work dtype)."""
     import math
+    from fractions import Fraction
 
     P = comm.size
     w = _work(g.dtype)
     scaled = g.astype(w) / w.type(P if op == "mean" else 1)
     peak = float(np.abs(scaled).max()) if np.all(np.isfinite(scaled)) else math.inf
     peak = comm.allreduce(peak, op=MPI.MAX)
-    e = 15 - math.frexp(P * peak)[1] if 0 < peak < math.inf else 0
+    e = 0
+    if 0 < peak < math.inf:  # 2^14 <= P·M·2^e < 2^15, in exact arithmetic
+        pm = P * Fraction(peak)
+        e = 15 - (pm.numerator.bit_length() - pm.denominator.bit_length())
+        while pm * Fraction(2) ** e >= 2**15:
+            e -= 1
+        while pm * Fraction(2) ** e < 2**14:
+            e += 1
     with np.errstate(over="ignore"):
-        half = (scaled * w.type(2.0**e)).astype(np.float16)
+        half = np.ldexp(scaled, e).astype(np.float16)
     total = np.empty_like(half)
     comm.Allreduce(half, total, op=MPI.SUM)
-    return (total.astype(w) / w.type(2.0**e)).astype(g.dtype), e
+    with np.errstate(over="ignore"):
+        return np.ldexp(total.astype(w), -e).astype(g.dtype), e
 
 
 @pytest.mark.every_comm
@@ -270,6 +280,65 @@ def test_float16_wire_sums_past_float16_range(comm):
     prop = spardl.make("dense", comm, n, wire_dtype="float16", nonfinite="propagate")(bad)
     d = prop.to_dense()
     assert np.isposinf(d[2]) and np.all(np.isfinite(np.delete(d, 2)))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mag"),
+    [
+        (np.float64, 1e300),
+        (np.float64, 1e-300),
+        (np.float64, 1e-310),  # subnormal: e beyond 1022
+        (np.float64, 1e306),
+        (np.float32, 1e-40),  # subnormal: e beyond 126
+        (np.float32, 1e37),
+    ],
+)
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_float16_wire_scales_across_the_dtypes_range(comm, dtype, mag, op):
+    """The scale 2^e follows M wherever it is in the gradient's range (here e from about -1000
+    to 1090 for float64, past ±126 for float32): the sums are g / s rounded to float16's 11
+    significant bits, never ±inf or 0 for gradients that float16 cannot hold unscaled."""
+    n = 6
+    rng = np.random.default_rng(7 + comm.rank)
+    g = (mag * np.array([1.0, -0.5, 0.25, 0.75, -1.0, 0.125]) * rng.uniform(0.5, 1, n)).astype(
+        dtype
+    )
+    ar = spardl.make("dense", comm, n, op=op, wire_dtype="float16", nonfinite="raise")
+    out = ar(g).to_dense()
+    want, _ = _reference_float16(comm, g, op)
+    assert out.tobytes() == want.tobytes()
+    assert_identical_everywhere(comm, ar(g))
+    exact = np.zeros(n, np.float64)
+    comm.Allreduce(g.astype(np.float64) / (comm.size if op == "mean" else 1), exact, op=MPI.SUM)
+    assert np.all(np.isfinite(out)) and np.all(out != 0)
+    rtol = 2.0**-10 * (comm.size + 1)  # each value and each partial sum rounded to 11 bits
+    if not (dtype == np.float64 and mag < 1e-300):  # float64 subnormals have fewer bits
+        np.testing.assert_allclose(out, exact, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_float16_wire_overflow_raises_on_every_rank(comm, dtype):
+    """A sum past the dtype's largest value is ±inf: NonFiniteError on every rank (the step not
+    applied) under nonfinite="raise", returned as inf only under "propagate"; a mean of values
+    at the largest value is finite or raised, never a silent inf."""
+    n, top = 4, np.finfo(dtype).max
+    g = np.array([top, -top, 1.0, top / 4], dtype)
+    if comm.size > 1:
+        ar = spardl.make("dense", comm, n, op="sum", wire_dtype="float16", nonfinite="raise")
+        with pytest.raises(spardl.NonFiniteError):
+            ar(g)
+        assert ar.step == 0
+        prop = spardl.make("dense", comm, n, op="sum", wire_dtype="float16", nonfinite="propagate")
+        d = prop(g).to_dense()
+        assert np.isposinf(d[0]) and np.isneginf(d[1]) and np.all(np.isfinite(d[2:]))
+    ar = spardl.make("dense", comm, n, wire_dtype="float16", nonfinite="raise")
+    try:
+        d = ar(g).to_dense()
+    except spardl.NonFiniteError:
+        assert ar.step == 0
+    else:
+        assert np.all(np.isfinite(d)) and ar.step == 1
+    comm.Barrier()
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,37 @@ def test_compact_conserves_and_agrees(comm, algorithm, opts, dtype):
         assert ar.stats["bytes_sent"] > 0
 
 
+@pytest.mark.parametrize(("algorithm", "opts"), CONFIGS, ids=IDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compact_keeps_values_at_the_dtypes_max_finite(comm, algorithm, opts, dtype):
+    """Entries at ± the dtype's largest finite value (their mean finite) reduce to finite values
+    with "compact" as with "coo": the 16-bit rounding never carries one to ±inf (which
+    nonfinite="raise" would refuse), it differs from "coo" by that rounding only, and what it
+    did not deliver stays in the sender's residual."""
+    n, top = 64, float(np.finfo(dtype).max)
+    g = np.zeros(n, dtype)
+    if comm.rank == 0:
+        g[3] = top
+    if comm.rank == comm.size - 1:
+        g[40] = -top
+        g[41] = 1.0
+    out = {}
+    for wire in ("coo", "compact"):
+        ar = spardl.make(algorithm, comm, n, density=0.25, wire=wire, **_options(comm, opts))
+        out[wire] = ar(g)
+        assert_identical_everywhere(comm, out[wire])
+        if ar.conserves:  # scaled by 2^-4 (exact) so that P·out cannot overflow float64
+            x, o, e = (
+                np.asarray(a, np.float64) / 16 for a in (g, out[wire].to_dense(), ar.residual)
+            )
+            err = conservation_error(comm, x, o, e, "mean")
+            assert err <= (1e-13 if dtype == np.float64 else 2e-6), err
+    coo, compact = out["coo"].to_dense(), out["compact"].to_dense()
+    assert np.all(np.isfinite(compact))
+    for i in (3, 40):  # a block that holds 1.0 too goes BF16: 8 significant bits
+        assert coo[i] != 0 and abs(compact[i] - coo[i]) <= abs(coo[i]) * 2.0**-7, (i, compact[i])
+
+
 def _count_packed(monkeypatch, log):
     """Record (bytes, pairs) of every sparse message packed: pack_wire's compact messages and
     pack_blocks' (the "coo" ones), wherever the algorithms call them from."""
