@@ -541,7 +541,8 @@ MIN_BYTES_PER_PARAMETER = 16
 #: batch (--batch-size × --context), unit of --width and layer: the float32 tensors each
 #: block keeps for its backward pass (its input, both layer norms' outputs, q, k and v, the
 #: attention's output, the feed-forward's 4·width hidden layer before and after GELU: 16).
-#: Measured: about 20 (forward pass at width 128, 20 and 60 layers, batch 8 × 128).
+#: Measured: about 20 floats, 80 bytes (forward pass at width 128, 20 and 60 layers, batch
+#: 8 × 128).
 LM_MIN_ACTIVATION_BYTES = 16 * 4
 
 
@@ -577,18 +578,19 @@ def _model_numel(args) -> int:
     return one + (two - one) * (args.layers - 1)
 
 
-def _activation_bytes(args) -> int:
-    """Bytes of activations a rank holds at the least besides the model (lm: the blocks'
-    saved tensors, :data:`LM_MIN_ACTIVATION_BYTES`, the causal mask, T² float32, and rank 0's
-    attention scores while it evaluates; digits: not counted, small beside its model)."""
+def _activation_bytes(args) -> tuple[int, int]:
+    """Bytes of activations a rank holds at the least besides the model, and those rank 0
+    holds besides while it evaluates (lm: the blocks' saved tensors,
+    :data:`LM_MIN_ACTIVATION_BYTES`, and the causal mask, T² float32; then one evaluation
+    pass's attention scores; digits: not counted, small beside its model)."""
     if args.task != "lm":
-        return 0
+        return 0, 0
     from . import lm
 
     chars = args.batch_size * args.context
     mask = 4 * args.context**2
     scores = 4 * lm.eval_windows(args.heads, args.context) * args.heads * args.context**2
-    return chars * args.width * args.layers * LM_MIN_ACTIVATION_BYTES + mask + scores
+    return chars * args.width * args.layers * LM_MIN_ACTIVATION_BYTES + mask, scores
 
 
 def _available_memory() -> int | None:
@@ -612,7 +614,8 @@ def _check_memory(args, job) -> None:
     import socket
 
     host = socket.gethostname()
-    local_ranks = job.allgather_object(host).count(host)  # the ranks on this node
+    hosts = job.allgather_object(host)
+    local_ranks = hosts.count(host)  # the ranks on this node
     shape = f"--width {args.width}" + (
         f", --layers {args.layers}, --context {args.context}, --batch-size {args.batch_size}"
         if args.task == "lm"
@@ -623,14 +626,13 @@ def _check_memory(args, job) -> None:
         n = _model_numel(args)
     except OverflowError as e:
         n, problem = 0, f"the model ({shape}) is too large: {e}"
-    per_rank = n * MIN_BYTES_PER_PARAMETER + _activation_bytes(args)
-    need = per_rank * local_ranks
+    activations, evaluation = _activation_bytes(args)
+    need = (n * MIN_BYTES_PER_PARAMETER + activations) * local_ranks
+    need += evaluation if hosts[0] == host else 0  # rank 0 evaluates
     have = _available_memory()
     if problem is None and have is not None and need > have:
         activations = (
-            f" and {_activation_bytes(args) / 2**30:.1f} GiB of activations"
-            if args.task == "lm"
-            else ""
+            f" and {activations / 2**30:.1f} GiB of activations" if args.task == "lm" else ""
         )
         problem = (
             f"the model ({shape}) has {n:,} parameters: at least {need / 2**30:.1f} GiB for "
