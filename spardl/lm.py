@@ -32,6 +32,8 @@ __all__ = [
     "build_vocab",
     "default_lr_warmup",
     "encode",
+    "EVAL_MAX_SCORES",
+    "eval_windows",
     "evaluate",
     "load_split",
     "lr_at",
