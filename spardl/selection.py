@@ -180,13 +180,19 @@ class Selector:
         TypeError
             If ``state`` is not a dict.
         ValueError
-            If ``state`` was saved by another kind of selector.
+            If ``state`` was saved by another kind of selector (:class:`OptionMismatch`,
+            naming both) or names no kind of selector.
         """
         if not isinstance(state, dict):
             raise TypeError(
                 f"selector state must be a dict (from state_dict()), got {type_name(state)}"
             )
-        if state.get("kind") != self.kind:
+        kind = state.get("kind")
+        if kind != self.kind and not (isinstance(kind, str) and kind in SELECTORS):
+            raise ValueError(
+                f"selector state kind must be one of {sorted(SELECTORS)}, got {kind!r}"
+            )
+        if kind != self.kind:  # a state of the other selector: an option, not a malformed state
             raise OptionMismatch(
                 f"state was saved with selector={state.get('kind')!r}, this allreducer has "
                 f"selector={self.kind!r}"

@@ -322,7 +322,7 @@ def test_float16_wire_overflow_raises_on_every_rank(comm, dtype):
     applied) under nonfinite="raise", returned as inf only under "propagate"; a mean of values
     at the largest value is finite or raised, never a silent inf."""
     n, top = 4, np.finfo(dtype).max
-    g = np.array([top, -top, 1.0, top / 4], dtype)
+    g = np.array([top, -top, 1.0, top / (4 * comm.size)], dtype)  # the last sums to top / 4
     if comm.size > 1:
         ar = spardl.make("dense", comm, n, op="sum", wire_dtype="float16", nonfinite="raise")
         with pytest.raises(spardl.NonFiniteError):
