@@ -717,7 +717,7 @@ def _saved_options(ck: dict) -> dict:
     if theirs.get("task") == "lm" and "lr_warmup" not in theirs and "steps" in theirs:
         theirs = {**theirs, "lr_warmup": round(_OLD_LR_WARMUP_FRACTION * theirs["steps"])}
     if "warmup_steps" in theirs and theirs["warmup_steps"] is None:  # saved as given: the default
-        theirs = {**theirs, "warmup_steps": 2 if theirs.get("hook") == "ddp" else 0}
+        theirs = {**theirs, "warmup_steps": _warmup_steps_of(None, theirs.get("hook"))}
     return theirs
 
 
@@ -1431,11 +1431,16 @@ def _load_checkpoint(ck: dict, model, opt, target, job) -> None:
 
 
 def _warmup_steps(args) -> int:
-    """The dense warm-up steps: --warmup-steps, else 2 for the DDP hook (its default) and 0
-    for the reducer."""
-    if args.warmup_steps is not None:
-        return args.warmup_steps
-    return 2 if args.hook == "ddp" else 0
+    """The dense warm-up steps of ``args`` (:func:`_warmup_steps_of`)."""
+    return _warmup_steps_of(args.warmup_steps, args.hook)
+
+
+def _warmup_steps_of(given, hook) -> int:
+    """The dense warm-up steps: --warmup-steps as ``given``, else 2 for the DDP hook (its
+    default) and 0 for the reducer."""
+    if given is not None:
+        return given
+    return 2 if hook == "ddp" else 0
 
 
 def _run_metrics(args, P: int, n_params: int) -> dict:
