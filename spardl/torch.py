@@ -19,7 +19,6 @@ import functools
 import math
 import os
 import queue
-import socket
 import threading
 import weakref
 
@@ -81,10 +80,36 @@ def _world():
     return MPI.COMM_WORLD
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _rendezvous_store(c: Comm, addr: str, timeout):
+    """The ``torch.distributed`` key-value store of the job, opened once on every rank.
+
+    Rank 0 listens on ``MASTER_PORT``, or on port 0 (the kernel picks a free one and the socket
+    stays bound: no other process can take the port between its choice and its use), and
+    broadcasts the port it got; the other ranks then connect. A rank 0 that cannot listen makes
+    every rank raise, not only rank 0 while the others wait.
+    """
+    import torch.distributed as dist
+
+    wait = dist.constants.default_pg_timeout if timeout is None else timeout
+    port = np.full(1, -1, dtype=np.int64)
+    store, err = None, None
+    if c.rank == 0:
+        asked = os.environ.get("MASTER_PORT") or "0"
+        try:
+            store = dist.TCPStore(
+                addr, int(asked), c.size, True, timeout=wait, wait_for_workers=False
+            )
+            port[0] = store.port
+        except (RuntimeError, ValueError, OSError) as e:  # DistNetworkError is a RuntimeError
+            err = e
+    c.bcast(port, 0)
+    if port[0] < 0:
+        where = f"{addr}:{os.environ.get('MASTER_PORT') or '(a free port)'}"
+        msg = f"rank 0 could not open the rendezvous store at {where} (MASTER_ADDR, MASTER_PORT)"
+        raise RuntimeError(msg + (f": {err}" if err is not None else "")) from err
+    if store is None:
+        store = dist.TCPStore(addr, int(port[0]), c.size, False, timeout=wait)
+    return store
 
 
 def _local_rank(rank: int) -> int:
@@ -126,8 +151,9 @@ def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=N
     """Initialise ``torch.distributed`` from an MPI communicator, so one ``mpiexec`` starts the job.
 
     Rank and world size come from ``comm``. The rendezvous address is ``MASTER_ADDR`` (default
-    127.0.0.1); the port is ``MASTER_PORT`` if set, else a free port picked by rank 0 and
-    broadcast over MPI. Collective over ``comm``.
+    127.0.0.1); the port is ``MASTER_PORT`` if set, else a free port that rank 0's store listens
+    on from the moment it is picked (no other process can take it), broadcast over MPI.
+    Collective over ``comm``.
 
     Parameters
     ----------
@@ -146,7 +172,8 @@ def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=N
     Raises
     ------
     RuntimeError
-        If a process group is already initialised with another rank or size.
+        If a process group is already initialised with another rank or size, or rank 0 cannot
+        listen on ``MASTER_ADDR:MASTER_PORT`` (raised on every rank).
     TypeError
         If ``comm`` is not an mpi4py intracommunicator, or ``backend`` not a string or None.
     ValueError
@@ -172,23 +199,14 @@ def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=N
                 )
             return rank, size
         addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        port = np.zeros(1, dtype=np.int64)
-        if rank == 0:
-            port[0] = int(os.environ.get("MASTER_PORT") or _free_port(addr))
-        c.bcast(port, 0)
-        os.environ["MASTER_PORT"] = str(int(port[0]))
+        store = _rendezvous_store(c, addr, timeout)
+        os.environ["MASTER_PORT"] = str(store.port)
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(_local_rank(rank) % torch.cuda.device_count())
         kwargs = {} if timeout is None else {"timeout": timeout}
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{addr}:{int(port[0])}",
-            rank=rank,
-            world_size=size,
-            **kwargs,
-        )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kwargs)
         return rank, size
     finally:
         c.free()
