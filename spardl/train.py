@@ -539,11 +539,16 @@ MIN_BYTES_PER_PARAMETER = 16
 
 #: Bytes a ``--task lm`` rank holds for its activations at the least, per character of its
 #: batch (--batch-size × --context), unit of --width and layer: the float32 tensors each
-#: block keeps for its backward pass (its input, both layer norms' outputs, q, k and v, the
-#: attention's output, the feed-forward's 4·width hidden layer before and after GELU: 16).
-#: Measured: about 20 floats, 80 bytes (forward pass at width 128, 20 and 60 layers, batch
-#: 8 × 128).
-LM_MIN_ACTIVATION_BYTES = 16 * 4
+#: block's forward pass keeps for its backward pass (its input, both layer norms' outputs, q,
+#: k and v, the attention's output, the feed-forward's 4·width hidden layer before and after
+#: GELU, ...). Measured in the forward pass alone: 18.2 to 20.8 floats at widths 64 to 256,
+#: contexts 128 to 512 and 4 or 16 heads (PyTorch's attention keeps no per-head scores on
+#: the CPU); a whole ``spardl train`` step peaks at about 25 (102 bytes).
+LM_MIN_ACTIVATION_BYTES = 18 * 4
+
+#: Bytes every rank holds before its model, at the least: the interpreter with PyTorch, NumPy,
+#: Numba and mpi4py imported (312 MiB measured, ``ru_maxrss`` on Linux x86-64).
+MIN_RANK_BYTES = 300 * 2**20
 
 
 def _model_numel(args) -> int:
@@ -605,12 +610,19 @@ def _available_memory() -> int | None:
     return None
 
 
+def _memory_need(n: int, activations: int, evaluation: int, local_ranks: int, evaluates: bool):
+    """Bytes a node needs at the least: each of its ``local_ranks`` ranks holds
+    :data:`MIN_RANK_BYTES`, :data:`MIN_BYTES_PER_PARAMETER` per parameter of the model's
+    ``n`` and ``activations``; the node of rank 0 (``evaluates``) also its ``evaluation``."""
+    per_rank = MIN_RANK_BYTES + n * MIN_BYTES_PER_PARAMETER + activations
+    return per_rank * local_ranks + (evaluation if evaluates else 0)
+
+
 def _check_memory(args, job) -> None:
     """Collective: UsageError on every rank if the model cannot fit in memory on some node, its
-    ranks holding at least :data:`MIN_BYTES_PER_PARAMETER` bytes per parameter each, before a
-    rank allocates it (an oversized ``--width`` or ``--layers`` would otherwise end in the
-    kernel's out-of-memory kill of some rank, or in PyTorch's allocation error on some ranks
-    while the others wait)."""
+    ranks holding at least what :func:`_memory_need` counts, before a rank allocates it (an
+    oversized ``--width`` or ``--layers`` would otherwise end in the kernel's out-of-memory kill
+    of some rank, or in PyTorch's allocation error on some ranks while the others wait)."""
     import socket
 
     host = socket.gethostname()
@@ -627,8 +639,7 @@ def _check_memory(args, job) -> None:
     except OverflowError as e:
         n, problem = 0, f"the model ({shape}) is too large: {e}"
     activations, evaluation = _activation_bytes(args)
-    need = (n * MIN_BYTES_PER_PARAMETER + activations) * local_ranks
-    need += evaluation if hosts[0] == host else 0  # rank 0 evaluates
+    need = _memory_need(n, activations, evaluation, local_ranks, hosts[0] == host)
     have = _available_memory()
     if problem is None and have is not None and need > have:
         activations = (
@@ -636,8 +647,9 @@ def _check_memory(args, job) -> None:
         )
         problem = (
             f"the model ({shape}) has {n:,} parameters: at least {need / 2**30:.1f} GiB for "
-            f"the {local_ranks} rank(s) on this node ({MIN_BYTES_PER_PARAMETER} bytes per "
-            f"parameter{activations} each), more than the {have / 2**30:.1f} GiB available"
+            f"the {local_ranks} rank(s) on this node ({MIN_RANK_BYTES / 2**30:.2f} GiB, "
+            f"{MIN_BYTES_PER_PARAMETER} bytes per parameter{activations} each), more than the "
+            f"{have / 2**30:.1f} GiB available"
         )
     _agreed(job, problem)
 
@@ -792,8 +804,18 @@ def _check_resume(args, job):
             )
         if ck.get("rank", rank) != rank:
             raise ValueError(f"{path} holds rank {ck['rank']}'s state, not rank {rank}'s")
-        saved = ck.get("sha256") or {}  # none in the checkpoints of an older spardl
-        damaged = [k for k in _CHECKPOINT_KEYS if k in saved and saved[k] != _digest(ck[k])]
+        if "sha256" in ck:  # absent from the checkpoints of an older spardl only
+            saved = ck["sha256"]
+            if not isinstance(saved, dict) or any(
+                not isinstance(saved.get(k), str) for k in _CHECKPOINT_KEYS
+            ):
+                raise ValueError(
+                    f"{path} is damaged: its SHA-256 digests are not the three strings "
+                    f"({', '.join(_CHECKPOINT_KEYS)}) written with it"
+                )
+            damaged = [k for k in _CHECKPOINT_KEYS if saved[k] != _digest(ck[k])]
+        else:
+            damaged = []
         if damaged:
             raise ValueError(
                 f"{path} is damaged: its {', '.join(damaged)} state does not match the SHA-256 "
@@ -1228,10 +1250,10 @@ def run(args, world) -> dict | None:
         saved with other run options (:data:`RUN_OPTIONS`; another world size is an elastic
         resume, :func:`spardl.elastic.load_rank_states`, not an error), an ``--out`` /
         ``--checkpoint`` directory that cannot be made, a model too large for some node's
-        available memory (its ranks' :data:`MIN_BYTES_PER_PARAMETER` bytes per parameter
-        each); with ``--task lm``, a ``--context``
-        longer than the shortest text a window is drawn from minus 1, or over the memory bounds
-        :data:`LM_MAX_CHARS` (--batch-size × --context) and :data:`LM_MAX_SCORES`
+        available memory (:data:`MIN_RANK_BYTES` and :data:`MIN_BYTES_PER_PARAMETER` bytes
+        per parameter each, and with ``--task lm`` the activations); with ``--task lm``, a
+        ``--context`` longer than the shortest text a window is drawn from minus 1, or over the
+        memory bounds :data:`LM_MAX_CHARS` (--batch-size × --context) and :data:`LM_MAX_SCORES`
         (--batch-size × --context²).
     ValueError, TypeError
         The allreducer's own checks, on every rank.

@@ -259,8 +259,9 @@ def test_bad_option_is_a_usage_error_on_every_rank(tmp_path, option, message):
 def test_a_checkpoint_whose_files_are_not_one_set_is_a_usage_error(one_epoch, runs, tmp_path):
     """--resume from files that are not one checkpoint (of two steps, as a job stopped between
     two ranks' writes leaves them; rank 0's file under rank 1's name; a pickle that is no
-    checkpoint; a file whose tensor data changed after it was written): one line naming the
-    problem, status 2, on every rank, nothing trained."""
+    checkpoint; a file whose tensor data changed after it was written, or whose digests are
+    missing or not strings): one line naming the problem, status 2, on every rank, nothing
+    trained."""
     ck0, ck1 = _load(runs / "ck1.rank0.pt"), _load(runs / "ck1.rank1.pt")
     torch.save(ck0, tmp_path / "mix.rank0.pt")
     torch.save({**ck1, "epoch": ck1["epoch"] + 1}, tmp_path / "mix.rank1.pt")
@@ -273,7 +274,18 @@ def test_a_checkpoint_whose_files_are_not_one_set_is_a_usage_error(one_epoch, ru
     name = next(iter(ck1["model"]))
     ck1["model"][name].view(-1)[0] += 1.0
     torch.save(ck1, tmp_path / "bad.rank1.pt")
+    # Damaged in the digests themselves: a missing digest skipped the check of its state, a
+    # digest field of another type raised a raw TypeError.
+    torch.save(ck0, tmp_path / "nodigest.rank0.pt")
+    torch.save(
+        {**ck1, "sha256": {"optimizer": "0", "reducer": "0"}}, tmp_path / "nodigest.rank1.pt"
+    )
+    torch.save({**ck0, "sha256": 5}, tmp_path / "digest5.rank0.pt")
+    torch.save(ck1, tmp_path / "digest5.rank1.pt")
+    digests = "is damaged: its SHA-256 digests are not the three strings"
     for name, message in [
+        ("nodigest", f"nodigest.rank1.pt {digests}"),
+        ("digest5", f"digest5.rank0.pt {digests}"),
         ("bad", "bad.rank1.pt is damaged: its model state does not match the SHA-256 digest"),
         ("mix", "is of P=2, epoch 2, rank 0's of P=2, epoch 1: not one checkpoint"),
         ("swap", "swap.rank1.pt holds rank 0's state, not rank 1's"),
@@ -333,6 +345,30 @@ def test_an_lm_too_deep_for_memory_is_refused_at_once(tmp_path):
         proc = run_mpi(1, [*argv, "--layers", layers], timeout=120, env=ENV, check=False)
         assert proc.returncode == 2, proc.stderr
         assert "GiB of activations each), more than the" in proc.stderr, proc.stderr
+
+
+def test_the_memory_bound_is_below_what_a_run_holds_and_refuses_the_run_once_killed(tmp_path):
+    """The check is a lower bound: a small lm run holds more than the check counts for it (it
+    never refuses a run that fits), and not over twice as much. 2,000 blocks of the default
+    shape on one rank passed the check (21.5 GiB counted) and were killed for memory on a 24 GiB
+    machine: it counted no rank's own memory and too few activation bytes."""
+    import re
+    from types import SimpleNamespace
+
+    from spardl import train
+
+    shape = dict(task="lm", width=128, layers=10, heads=4, context=128, batch_size=8, seed=0)
+    argv = ["--task", "lm", "--steps", "2", "--eval-every", "2", "--layers", "10"]
+    argv += ["--out", str(tmp_path / "out"), "--no-progress"]
+    proc = run_mpi(1, ["tests/scripts/peak_rss.py", *argv], timeout=240, env=ENV)
+    peak = int(re.findall(r"PEAK_BYTES (\d+)", proc.stderr)[-1])
+
+    def need(**change):
+        args = SimpleNamespace(**{**shape, "model": "cnn", **change})
+        return train._memory_need(train._model_numel(args), *train._activation_bytes(args), 1, True)
+
+    assert peak / 2 < need() <= peak, (need(), peak)
+    assert need(layers=2000) > 23 * 2**30  # the machine had 22.4 GiB available
 
 
 def test_ctrl_c_ends_every_rank_in_one_line_with_status_130(tmp_path):
