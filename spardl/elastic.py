@@ -231,19 +231,29 @@ def _fold_sum(arrays, dtype) -> np.ndarray:
 _AR_KEYS = ("algorithm", "n", "world_size", "rank", "step", "calls", "dtype", "residual")
 
 
-def _check_ar_states(states, template, world_size) -> None:
+def _check_ar_states(
+    states,
+    template,
+    world_size,
+    keys=_AR_KEYS,
+    agree=("algorithm", "n", "step", "calls", "dtype", "density"),
+) -> None:
+    """Each of ``states`` [(old rank, state)] a dict holding ``keys``, saved at ``world_size``
+    (and by that rank, where the states record theirs), agreeing with ``template`` on
+    ``agree``; ValueError or TypeError naming the old rank otherwise."""
     for r, st in states:
         if not isinstance(st, dict):
             raise TypeError(f"the state of old rank {r} must be a dict, got {type(st).__name__}")
-        missing = [k for k in _AR_KEYS if k not in st]
+        missing = [k for k in keys if k not in st]
         if missing:
             raise ValueError(f"the state of old rank {r} is missing key(s) {missing}")
-        if st["world_size"] != world_size or st["rank"] != r:
+        if st["world_size"] != world_size or st.get("rank", r) != r:
+            by = f"rank {st['rank']!r} of " if "rank" in st else "world size "
             raise ValueError(
-                f"the state given as old rank {r} of {world_size} was saved by rank "
-                f"{st['rank']!r} of {st['world_size']!r}"
+                f"the state given as old rank {r} of {world_size} was saved by {by}"
+                f"{st['world_size']!r}"
             )
-        for key in ("algorithm", "n", "step", "calls", "dtype", "density"):
+        for key in agree:
             if st.get(key) != template.get(key):
                 raise ValueError(
                     f"the old ranks' states disagree on {key}: {template.get(key)!r} and "
@@ -294,24 +304,8 @@ def _fold_keyed(states, template, world_size, new_world_size, n) -> dict:
         raise TypeError(f"a state's allreducer must be a dict, got {type(template).__name__}")
     none = template.get("residual") is None
     dtype = None
+    _check_ar_states(states, template, world_size, ("residual", "step", "world_size"), ("step",))
     for r, st in states:
-        if not isinstance(st, dict):
-            raise TypeError(
-                f"the allreducer state of old rank {r} must be a dict, got {type(st).__name__}"
-            )
-        missing = [k for k in ("residual", "step", "world_size") if k not in st]
-        if missing:
-            raise ValueError(f"the state of old rank {r} is missing key(s) {missing}")
-        if st["world_size"] != world_size:
-            raise ValueError(
-                f"the state given as old rank {r} of {world_size} was saved at world size "
-                f"{st['world_size']!r}"
-            )
-        if st["step"] != template.get("step"):
-            raise ValueError(
-                f"the old ranks' states disagree on step: {template.get('step')!r} and "
-                f"{st['step']!r} (rank {r}); not one checkpoint?"
-            )
         res = st["residual"]
         if (res is None) != none:
             raise ValueError(

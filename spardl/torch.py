@@ -1035,23 +1035,28 @@ class _Core:
         ar = self.sparse
         if ar is None or ar._residual is None:
             return []
-        res = _tensor(ar.residual, self.flat)  # the allreducer's own array: a view
+        # The allreducer's own array where it lives (a host residual loaded before the first
+        # GPU step stays on the host): a copy would take the clearing, and the mass would be
+        # both in parts and still in the residual.
+        res = _own_tensor(ar.residual, self.flat)
         taken, start = [], 0
         for a, b in slices:
             piece = res[a:b]
             if bool(piece.any()):
                 taken.append((a, b, piece.clone()))
-                parts[start : start + b - a] += piece.to(parts.dtype)
+                parts[start : start + b - a] += piece.to(parts.device, parts.dtype)
                 piece.zero_()
             start += b - a
+        _sync(res)
         return taken
 
     def _unfold_residual(self, taken) -> None:
         """Put back what :meth:`_fold_residual` took (a step that raised or was skipped)."""
         if taken:
-            res = _tensor(self.sparse.residual, self.flat)
+            res = _own_tensor(self.sparse.residual, self.flat)
             for a, b, v in taken:
-                res[a:b] = v
+                res[a:b] = v.to(res.device)
+            _sync(res)
 
     def _result(self):
         """The reduced gradient in ``flat`` (sparse part and dense-reduced small parameters) as

@@ -911,11 +911,7 @@ def _check_paths(args, job) -> None:
             _probe_writable(args.checkpoint.parent)
     except OSError as e:
         problem = f"cannot create or write a directory for --out or --checkpoint: {e}"
-    problems = job.allgather_object(problem)
-    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
-    if bad:
-        r, p = bad[0]
-        raise UsageError(f"{p} (rank {r}" + (f" and {len(bad) - 1} more)" if len(bad) > 1 else ")"))
+    _agreed(job, problem)
 
 
 def _probe_writable(directory: Path) -> None:
