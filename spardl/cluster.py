@@ -159,11 +159,17 @@ def parse_time(text: str) -> float:
     return float(m.group(1)) * _TIME_UNITS[m.group(2).lower()]
 
 
+#: The bytes of the largest Ethernet frame the links carry (MTU 1500 and its 14-byte header).
+_FRAME_BYTES = 1514
+
+
 def _tbf_args(rate_bps: float) -> list[str]:
-    # A bucket of 1 ms at the link rate (at least two 64 KiB GSO segments, so offloaded
-    # segments pass without being split) and a queue of up to 100 ms: TCP reaches the rate
-    # without drops, and the shaping error stays within a millisecond per burst.
-    burst = max(int(rate_bps / 8 / 1000), 2 * 65536)
+    # A bucket of 1 ms at the link rate (at least two full frames) and a queue of up to
+    # 100 ms: TCP reaches the rate without drops, and the shaping error stays within a
+    # millisecond per burst. The kernel's tbf splits an offloaded (GSO) segment larger than the
+    # bucket into frames. A floor of two 64 KiB segments, as the bucket once had, let 128 KiB
+    # through unshaped after every pause: 10 ms at 100 Mbit/s, a second at 1 Mbit/s.
+    burst = max(int(rate_bps / 8 / 1000), 2 * _FRAME_BYTES)
     return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "100ms"]
 
 
@@ -582,10 +588,16 @@ class Cluster:
             rows.append(vals)
         return rows
 
+    def reset_counters(self) -> None:
+        """Count the links' traffic from now on (:meth:`counters`), e.g. after a probe such as
+        :func:`measure_latency` that is not part of the job being measured."""
+        self._baseline = self._read_counters()
+
     def counters(self) -> list[dict]:
-        """Per node, what its link carried since the cluster was created: a dict with
-        ``tx_bytes``, ``rx_bytes``, ``tx_packets``, ``rx_packets`` (Ethernet frames, headers
-        included, as the kernel counts them)."""
+        """Per node, what its link carried since the cluster was created or
+        :meth:`reset_counters` last called: a dict with ``tx_bytes``, ``rx_bytes``,
+        ``tx_packets``, ``rx_packets`` (Ethernet frames, headers included, as the kernel counts
+        them)."""
         now = self._read_counters()
         return [
             {k: v - b[k] for k, v in n.items()} for n, b in zip(now, self._baseline, strict=True)

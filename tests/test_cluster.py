@@ -273,6 +273,45 @@ def test_python_api_counters_and_shaping():
     assert not set(names) & set(cluster._namespaces())
 
 
+@pytest.mark.cluster
+@needs_cluster
+def test_a_short_message_after_a_pause_is_shaped():
+    """100 KB after half a second of silence crosses a 10 Mbit/s link in about 80 ms. The
+    bucket once held 128 KiB at every rate, so a message that fit in it crossed at memory
+    speed (9 ms measured), and slow links favoured algorithms of small messages."""
+    body = (
+        "import numpy as np, time; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+        "a = np.ones(100_000, np.uint8); one = np.zeros(1, np.uint8); best = 1e9\n"
+        "for _ in range(3):\n"
+        "    c.Barrier(); time.sleep(0.5); t = time.perf_counter()\n"
+        "    if c.rank == 0: c.Send(a, 1); c.Recv(one, 1)\n"
+        "    else: c.Recv(a, 0); c.Send(one, 0)\n"
+        "    best = min(best, time.perf_counter() - t)\n"
+        "print(best) if c.rank == 0 else None"
+    )
+    with cluster.Cluster(2, bandwidth="10mbit") as cl:
+        proc = cl.run([sys.executable, "-c", body], timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    seconds = float(proc.stdout.strip().splitlines()[-1])
+    assert seconds >= 100e3 * 8 / 10e6 * 0.9, seconds  # 80 ms at the link rate
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_the_report_counts_the_command_not_the_latency_probe(tmp_path):
+    """Without -q the run first measures the links' latency (a 200-round ping-pong between
+    nodes 0 and 1); --report and the printed summary once counted it with the command."""
+    packets = {}
+    for quiet in ([], ["-q"]):
+        report = tmp_path / f"report{len(quiet)}.json"
+        argv = ["run", *quiet, "--nodes", "2", "--report", str(report), "--"]
+        proc = _cluster_cli([*argv, sys.executable, "-c", "pass"])
+        assert proc.returncode == 0, proc.stderr
+        packets[bool(quiet)] = [link["tx_packets"] for link in _report(report)["links"]]
+    for loud, quiet in zip(packets[False], packets[True], strict=True):
+        assert abs(loud - quiet) < 150, packets  # the probe alone is 200 packets each way
+
+
 def test_check_reports_every_requirement():
     found = cluster.check()
     names = [name for name, _, _ in found.rows]

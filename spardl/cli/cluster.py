@@ -174,6 +174,7 @@ def _cmd_run(args) -> int:
                 lat = ""
                 if cl.nodes >= 2:
                     lat = f"; one-way latency {measure_latency(cl) * 1e6:.0f} us (TCP ping-pong)"
+                    cl.reset_counters()  # --report and the summary count the command only
                 print(f"spardl cluster: {cl.describe()}{lat}", file=sys.stderr, flush=True)
             proc = cl.run(command, timeout=args.timeout)
             counters = cl.counters()
