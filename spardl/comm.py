@@ -736,6 +736,16 @@ class Comm:
         self.size = self._mpi.Get_size()
         self._acct = _acct if _acct is not None else _Accounting()
         self._pinned: dict = {}  # slot -> pinned host staging buffer (uint8), grown as needed
+        self._users = 0  # allreducers built on this communicator so far (:meth:`new_user`)
+
+    def new_user(self) -> int:
+        """The number of the allreducer being built on this communicator: 1, 2, ... in the
+        order they are built. Building is collective, so the same allreducer has the same
+        number on every rank; each call's cross-rank check compares it, so that allreducers
+        sharing this communicator called in another order on another rank raise instead of
+        exchanging each other's data."""
+        self._users += 1
+        return self._users
 
     @property
     def quantise(self) -> bool:
@@ -964,6 +974,11 @@ class Comm:
         c = Comm(sub, dup=False, _acct=self._acct)
         c._owns = True
         return c
+
+    @property
+    def freed(self) -> bool:
+        """Whether the MPI communicator was freed (by :meth:`free`, or outside)."""
+        return self._mpi == MPI.COMM_NULL
 
     def free(self) -> None:
         """Free the duplicated communicator (idempotent).

@@ -204,6 +204,9 @@ class Allreducer:
             self._own_comms.append(self.comm)
         self.P = self.comm.size
         self.rank = self.comm.rank
+        #: Which allreducer of its communicator this is (:meth:`spardl.comm.Comm.new_user`),
+        #: compared by every call's check.
+        self.user = self.comm.new_user()
         err = None
         try:
             self._validate_common(n, density, op, residual, nonfinite, check)
@@ -235,7 +238,11 @@ class Allreducer:
             "nonfinite": nonfinite,
             "check": check,
             "wire": wire if isinstance(wire, str) else repr(wire),
-            "options": repr(sorted((k, _option_value(v)) for k, v in options.items())),
+            # Compared as they take effect: teams=1 named on one rank and left at its default
+            # of 1 on another build the same allreducer.
+            "options": repr(
+                sorted((k, _option_value(v)) for k, v in {**self.options, **options}.items())
+            ),
         }
         sig = [
             name_hash(self.name),
@@ -247,7 +254,7 @@ class Allreducer:
         try:
             self.collective_check(err, sig, described)
         except BaseException:
-            self.close()  # every rank raises here together: nothing is left to leak
+            self._free()  # every rank raises here together: nothing is left to leak
             raise
         self.step = 0
         self._calls = 0
@@ -303,7 +310,32 @@ class Allreducer:
         (``with spardl.make(...) as ar:``). Collective: every rank closes its allreducer at
         the same point. Idempotent; the state (:meth:`state_dict`, :attr:`residual`,
         ``stats``) stays readable.
+
+        Raises
+        ------
+        ValueError
+            With ``check=True``, on every rank, if some rank calls the allreducer (or changes
+            its density, or loads a state) where another closes it: the ranks are out of step,
+            and a rank waiting in the call would otherwise wait forever. Nothing is freed then.
         """
+        if getattr(self, "_closed", True):
+            return
+        if getattr(self, "check", False) and not self.comm.freed:  # a shared Comm freed first
+            calls = self._calls
+            self.collective_check(
+                None,
+                [name_hash(f"{self.name}|close"), self.user, calls],
+                lambda: {
+                    "close": self.name,
+                    "call number": calls,
+                    "allreducer (in the order built on its communicator)": self.user,
+                },
+            )
+        self._free()
+
+    def _free(self) -> None:
+        """:meth:`close` without the cross-rank check (every rank raises together, or leaves
+        a ``with`` block on an exception, where a rank whose peers went on would wait)."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
@@ -323,8 +355,11 @@ class Allreducer:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._free()
 
     # -- density changes --------------------------------------------------------------------
     def set_density(self, density) -> None:
@@ -364,8 +399,13 @@ class Allreducer:
                 name_hash(f"{self.name}|set_density"),
                 _float_bits(density) if ok_float else -1,
                 self._calls,
+                self.user,
             ],
-            {"set_density": repr(density), "call number": self._calls},
+            {
+                "set_density": repr(density),
+                "call number": self._calls,
+                "allreducer (in the order built on its communicator)": self.user,
+            },
         )
         self._apply_density(rho)
 
@@ -549,13 +589,14 @@ class Allreducer:
             calls = self._calls
             self.collective_check(
                 err,
-                [name_hash(self.name), self.n, _dtype_code(dtype), calls, int(on_gpu)],
+                [name_hash(self.name), self.n, _dtype_code(dtype), calls, int(on_gpu), self.user],
                 lambda: {  # words only for a failed check
                     "grad dtype": str(dtype),
                     "grad device": "gpu" if on_gpu else "cpu",
                     "n": self.n,
                     "algorithm": self.name,
                     "call number": calls,
+                    "allreducer (in the order built on its communicator)": self.user,
                 },
             )
         elif err is not None:
@@ -629,7 +670,7 @@ class Allreducer:
     def _output(self, indices, sums) -> SparseResult:
         """The result from the reduced sums: divided by P for the mean and cast to the
         gradient's dtype (float16: rounded keeping the remainder), explicit zeros dropped."""
-        if self._dtype != sums.dtype and A.all_finite(sums):  # float16 from float32 sums
+        if self._dtype != sums.dtype:  # float16 from float32 sums
             values = self._round_keeping_remainder(indices, sums)
         else:
             values = A.divide(sums, self.P) if self.op == "mean" and self.P > 1 else sums
@@ -657,7 +698,8 @@ class Allreducer:
 
         out_i = fp16(clip(S_i / P, ±65504)) for op="mean" (S_i for "sum"): rounded to nearest,
         and an output past float16's range is clamped to the largest finite float16 instead of
-        becoming inf. The remainder r_i = S_i − P·out_i ("sum": S_i − out_i), in sum units,
+        becoming inf (a sum that is NaN or Inf, under ``nonfinite="propagate"``, is kept as it is,
+        with no remainder). The remainder r_i = S_i − P·out_i ("sum": S_i − out_i), in sum units,
         computed in float64 and rounded once to float32, is added to the residual of the rank
         that owns i's block of ``uniform_bounds(n, P)`` (rank q owns [b_q, b_q+1)): the same
         rank on every rank's view, each rank touching only its own ~nnz/P entries. So
@@ -673,15 +715,19 @@ class Allreducer:
         scale = self.P if self.op == "mean" else 1
         mean = A.divide(w, self.P) if scale > 1 else w  # the same float32 mean as before
         top = float(np.finfo(self._dtype).max)
-        out = np.clip(mean, -top, top).astype(self._dtype)
+        # A NaN or Inf sum (nonfinite="propagate") stays what it is, and only there: the finite
+        # sums beside it are clamped and keep their remainders as in any other step.
+        finite = np.isfinite(mean)
+        clamped = np.clip(mean, -top, top)
+        out = (clamped if finite.all() else np.where(finite, clamped, mean)).astype(self._dtype)
         if self.rounding_feedback and self.residual_mode != "none":
             bounds = K.uniform_bounds(self.n, self.P)
             idx = A.to_host(indices)
             lo, hi = K.block_offsets(idx, bounds)[self.rank : self.rank + 2]
-            rem = (w[lo:hi].astype(np.float64) - scale * out[lo:hi].astype(np.float64)).astype(
-                w.dtype
-            )
-            nz = rem != 0
+            with np.errstate(invalid="ignore"):  # inf - inf where a sum is not finite
+                rem = w[lo:hi].astype(np.float64) - scale * out[lo:hi].astype(np.float64)
+            rem = rem.astype(w.dtype)
+            nz = (rem != 0) & finite[lo:hi]
             if np.any(nz):
                 own_i, own_r = idx[lo:hi][nz], rem[nz]
                 if A.is_device(self._residual):
@@ -783,8 +829,12 @@ class Allreducer:
             agree_on_load(
                 self.comm,
                 err,
-                [name_hash(f"{self.name}|load_state_dict"), saved[1]],
-                {"load_state_dict": self.name, "call number before": saved[1]},
+                [name_hash(f"{self.name}|load_state_dict"), saved[1], self.user],
+                {
+                    "load_state_dict": self.name,
+                    "call number before": saved[1],
+                    "allreducer (in the order built on its communicator)": self.user,
+                },
                 loaded=self,
             )
         except BaseException:

@@ -293,12 +293,16 @@ class Dense(Allreducer):
                 np.copyto(out, total, casting="same_kind")  # round to nearest, as astype
         if A.all_finite(out):
             return out
-        if finite is None:
-            finite = A.all_finite(total)
-        if not finite:  # NaN or Inf in the sums: no clamping (nonfinite="propagate")
-            return out
         top = float(np.finfo(self._dtype).max)
-        clamped = np.clip(A.to_host(total), -top, top).astype(self._dtype)
+        host = A.to_host(total)
+        clamped = np.clip(host, -top, top)
+        if finite is None or not finite:
+            # NaN or Inf sums (nonfinite="propagate") stay as they are; only the finite values
+            # past the range are clamped.
+            keep = np.isfinite(host)
+            if not keep.all():
+                clamped = np.where(keep, clamped, host)
+        clamped = clamped.astype(self._dtype)
         if device:
             return A.to_device(clamped)
         np.copyto(out, clamped)

@@ -25,7 +25,7 @@ import numpy as np
 import spardl_kernels as K
 
 from .. import _arrays as A
-from .._checks import check_int, type_name
+from .._checks import check_float, check_int, type_name
 from ..comm import (
     pack_blocks,
     pack_wire,
@@ -470,7 +470,10 @@ class OkTopk(Allreducer):
                     f"state bounds must be {self.P + 1} non-decreasing boundaries from 0 to "
                     f"{self.n}, got {b!r}"
                 )
+        th = check_float("state global_threshold", state.get("global_threshold", math.nan))
+        if th < 0:  # NaN (none yet) passes; a negative one selected every reduced value
+            raise ValueError(f"state global_threshold must be >= 0 (or NaN), got {th!r}")
         self.bounds = b
-        self.global_threshold = float(state.get("global_threshold", math.nan))
+        self.global_threshold = float(th)
         if "selector" in state:
             self.selector.load_state_dict(state["selector"])

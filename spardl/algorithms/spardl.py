@@ -362,7 +362,7 @@ class SparDL(Allreducer):
     def _load_extra_state(self, state: dict) -> None:
         if not state:
             return
-        h = int(state["h"])
+        h = int(check_int("state h", state["h"]))  # 3.5 or "3" was truncated or parsed
         if not self.h_min <= h <= self.k_b[self.p]:
             raise ValueError(
                 f"state has h={h}, outside [{self.h_min}, {self.k_b[self.p]}], the range at its "

@@ -147,10 +147,13 @@ def free_communicators(monkeypatch):
     track(Allreducer)
     track(Comm)
     yield
-    for obj in reversed(made):  # allreducers before the Comms they were given
+    # Allreducers first (their close() checks across ranks on their communicator), then
+    # the Comms: an allreducer is listed before the duplicate it makes of its comm.
+    for obj in reversed(made):
         if isinstance(obj, Allreducer):
             obj.close()
-        elif hasattr(obj, "_mpi"):
+    for obj in reversed(made):
+        if not isinstance(obj, Allreducer) and hasattr(obj, "_mpi"):
             obj.free()
 
 

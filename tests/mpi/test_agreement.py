@@ -204,6 +204,18 @@ def test_numpy_and_python_option_values_of_the_same_value_agree(comm):
             spardl.make("oktopk", comm, 64, density=0.1, region_interval=np.int64(3 if last else 4))
 
 
+def test_an_option_named_at_its_default_on_one_rank_only_agrees(comm):
+    """teams=1 named on one rank and left out on another build the same allreducer (once
+    "ranks disagree on options", the options being compared as named, not as they act)."""
+    last = comm.rank == comm.size - 1
+    for algorithm, option in [("spardl", {"teams": 1}), ("oktopk", {"selector": "threshold"})]:
+        ar = spardl.make(algorithm, comm, 64, density=0.1, **(option if last else {}))
+        out = ar(np.random.default_rng(comm.rank).standard_normal(64).astype(np.float32))
+        every = comm.allgather((out.indices.tobytes(), out.values.tobytes()))
+        assert all(e == every[0] for e in every)
+        ar.close()
+
+
 @pytest.mark.parametrize("check", [True, False])
 def test_a_bad_gradient_on_one_rank_fails_everywhere_with_and_without_check(comm, check):
     """The reducer's step control: a sparse gradient on the last rank raises on every rank,

@@ -107,3 +107,48 @@ def test_failed_construction_frees_its_duplicate(comm):
             spardl.make("nope", comm, 16)
         with pytest.raises(TypeError, match="algorithm must be a string, got int"):
             spardl.make(5, comm, 16)
+
+
+def test_close_on_one_rank_while_another_calls_raises_on_both(comm):
+    """close() is collective: a rank that closes while another calls once left the caller
+    waiting forever; both raise now, nothing is freed, and both go on in step."""
+    ar = spardl.make("topka", comm, 10, density=1.0)
+    g = np.ones(10, dtype=np.float32)
+    if comm.Get_size() > 1:
+        with pytest.raises(ValueError, match="ranks disagree"):
+            ar(g) if comm.Get_rank() == 0 else ar.close()
+        assert not ar.closed
+    assert np.array_equal(ar(g).to_dense(), np.ones(10, dtype=np.float32))
+    ar.close()
+    assert ar.closed and _freed(ar.comm)
+
+
+def test_leaving_a_with_block_on_an_exception_frees_without_waiting_for_the_others(comm):
+    """A ``with`` block left by an exception on one rank frees that rank's communicators at
+    once (no cross-rank check there, which would wait for ranks that went on)."""
+    with pytest.raises(RuntimeError, match="raised in the block"):
+        with spardl.make("topka", MPI.COMM_SELF, 8, density=1.0) as ar:
+            raise RuntimeError("raised in the block")
+    assert ar.closed and _freed(ar.comm)
+
+
+@pytest.mark.parametrize("algorithm", ["topka", "spardl", "dense"])
+def test_allreducers_sharing_a_comm_called_in_another_order_raise(comm, algorithm):
+    """Two allreducers on one spardl Comm (shared, not duplicated): a rank calling A where
+    another calls B once summed A's gradient with B's on both, silently. Each call's check
+    compares which allreducer of the communicator it is; in the right order both are exact."""
+    P, rank = comm.Get_size(), comm.Get_rank()
+    shared = Comm(comm)
+    a = spardl.make(algorithm, shared, 8, density=1.0)
+    b = spardl.make(algorithm, shared, 8, density=1.0)
+    ga, gb = np.full(8, 1.0, np.float32), np.full(8, 100.0, np.float32)
+    if P > 1:
+        with pytest.raises(ValueError, match="in the order built on its communicator"):
+            a(ga) if rank == 0 else b(gb)
+        with pytest.raises(ValueError, match="in the order built on its communicator"):
+            a.set_density(0.5) if rank == 0 else b.set_density(0.5)
+    assert np.array_equal(a(ga).to_dense(), ga)
+    assert np.array_equal(b(gb).to_dense(), gb)
+    a.close()
+    b.close()
+    shared.free()

@@ -55,6 +55,32 @@ def test_conservation_over_steps(comm, algorithm, dtype, n, density):
         assert err <= tol, f"step {step}: conservation error {err:.3g}"
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "key", "value", "exc", "match"),
+    [
+        ("spardl", "h", 2.5, ValueError, "state h must be an integer, got float"),
+        ("spardl", "h", "2", ValueError, "state h must be an integer, got str"),
+        ("oktopk", "global_threshold", -1.0, ValueError, "global_threshold must be >= 0"),
+        ("oktopk", "global_threshold", "1", ValueError, "global_threshold must be a float"),
+    ],
+)
+def test_an_algorithm_state_of_the_wrong_kind_is_refused(comm, algorithm, key, value, exc, match):
+    """Values of the algorithm's own state that it once took as they came: SparDL's h through
+    int() (2.5 became 2), a negative Ok-Topk threshold (its next step returned more than k
+    entries). Refused on every rank, the state unchanged."""
+    P = comm.size
+    opts = {"teams": P} if algorithm == "spardl" else {}
+    a = spardl.make(algorithm, comm, 300, density=0.05, **opts)
+    a(np.random.default_rng(comm.rank).standard_normal(300).astype(np.float32))
+    good = a.state_dict()
+    bad = {**good, "extra": {**good["extra"], key: value}}
+    with pytest.raises((TypeError, ValueError)) as info:
+        a.load_state_dict(bad if comm.rank == P - 1 else good)
+    if comm.rank == P - 1:
+        assert isinstance(info.value, exc) and match in str(info.value), info.value
+    assert a.state_dict()["extra"][key] == good["extra"][key]
+
+
 @pytest.mark.every_comm
 @pytest.mark.parametrize("algorithm", ALGS)
 def test_c1_output_is_the_top_selection(comm, algorithm):

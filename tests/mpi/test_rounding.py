@@ -135,3 +135,26 @@ def test_no_residual_means_no_remainder(comm, algorithm):
         g[:16] = TINY
     ar(g)
     assert np.all(np.asarray(ar.residual) == 0)
+
+
+@pytest.mark.parametrize("algorithm", ALGS)
+def test_a_nan_elsewhere_leaves_the_finite_values_clamped_and_their_excess_kept(comm, algorithm):
+    """nonfinite="propagate" with one NaN (rank 0, index 1): the other sums are rounded as in
+    any step. They were cast as a whole: a sum past 65504 became +inf, and its remainder was
+    dropped from the residuals."""
+    n, P = 4, comm.size
+
+    def run(nonfinite, nan):
+        ar = spardl.make(algorithm, comm, n, density=1.0, op="sum", nonfinite=nonfinite)
+        g = np.array([60000, 1, 2, 3], np.float16)
+        if nan and comm.rank == 0:
+            g[1] = np.nan
+        out = ar(g).to_dense()
+        return out, _mass(comm, ar.residual)
+
+    clean, clean_mass = run("raise", nan=False)
+    out, mass = run("propagate", nan=True)
+    assert np.isnan(out[1])
+    assert out[0] == clean[0] == np.float16(min(60000.0 * P, 65504.0))
+    np.testing.assert_array_equal(out[2:], clean[2:])
+    np.testing.assert_array_equal(mass[[0, 2, 3]], clean_mass[[0, 2, 3]])
