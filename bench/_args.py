@@ -144,3 +144,22 @@ def nonempty_names(text: str) -> list[str]:
 
 
 nonempty_names.__name__ = "names"
+
+
+def run_main(main, prog: str) -> int:
+    """``main()``'s status, with SIGTERM and SIGHUP ending it as an exception does (its ``with``
+    blocks and ``finally`` clauses run: temporary folders and emulated clusters are removed)
+    and Ctrl-C as one line and status 130 instead of a traceback."""
+    import signal
+    import sys
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        return 130

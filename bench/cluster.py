@@ -35,6 +35,7 @@ from bench._args import (  # noqa: E402
     POSITIVE_INT,
     Parser,
     output_dir,
+    run_main,
 )
 
 
@@ -245,4 +246,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "cluster.py"))

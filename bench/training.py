@@ -38,6 +38,7 @@ from bench._args import (  # noqa: E402
     Parser,
     option_type,
     output_dir,
+    run_main,
 )
 from spardl.cli import launch_train  # noqa: E402
 from spardl.cli.cluster import rate_type  # noqa: E402
@@ -201,7 +202,7 @@ def _lm_table(rows, dense_by_seed: dict, where: str, density: float) -> list[str
         lines.append(
             f"| {label} | {seed} | {bpc:.3f} | {100 * (bpc / dense_bpc - 1):+.2f} "
             f"| {100 * m['final_val_accuracy']:.2f}% | {m['bytes_sent_per_rank'] / 1e6:.3f} "
-            f"| {frac:.2f}% | {m['wall_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
+            f"| {frac:.2f}% | {m['train_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
             f"| {'—' if tt is None or not td else f'{tt / td:.2f}'} | {m['job_seconds']:.1f} |"
         )
     return lines
@@ -229,7 +230,7 @@ def _digits_table(rows, dense_by_seed: dict, where: str, density: float) -> list
         lines.append(
             f"| {label} | {seed} | {100 * m['final_test_accuracy']:.2f}% | {delta:+.2f} "
             f"| {m['bytes_sent_per_rank'] / 1e6:.3f} | {frac:.2f}% "
-            f"| {m['wall_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
+            f"| {m['train_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
             f"| {'—' if tt is None or not td else f'{tt / td:.2f}'} | {m['job_seconds']:.1f} |"
         )
     return lines
@@ -398,4 +399,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "training.py"))

@@ -68,6 +68,7 @@ MIN_RATE, MAX_RATE = 1e6, 1e11
 TCP_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"}
 _PREFIX_RE = re.compile(r"^spardl-(\d+)-([0-9a-f]{6})-")
 _CAP_NET_ADMIN = 12
+_CAP_SYS_ADMIN = 21
 
 
 class ClusterError(RuntimeError):
@@ -270,11 +271,14 @@ class CheckResult:
         return [f"{name}: {detail}" for name, passed, detail in self.rows if not passed]
 
 
-def _has_cap_net_admin() -> bool:
+def _has_privileges() -> bool:
+    """Whether this process may build a cluster: CAP_NET_ADMIN (links, qdiscs) and
+    CAP_SYS_ADMIN (``ip netns add`` mounts the namespace), as root has them."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> _CAP_NET_ADMIN & 1)
+                caps = int(line.split()[1], 16)
+                return all(caps >> bit & 1 for bit in (_CAP_NET_ADMIN, _CAP_SYS_ADMIN))
     except OSError:
         pass
     return os.geteuid() == 0
@@ -283,22 +287,24 @@ def _has_cap_net_admin() -> bool:
 def check() -> CheckResult:
     """Whether this machine can run an emulated cluster, and what was found.
 
-    Checks: root or CAP_NET_ADMIN; the ``ip``, ``tc`` and ``unshare`` commands; that a network
-    namespace, a veth pair and a ``tbf`` qdisc can be created (a scratch namespace, removed
-    again); whether ``netem`` exists (needed only for ``latency``); an ``mpiexec`` with hydra's
-    ssh launcher.
+    Checks: root, or CAP_NET_ADMIN and CAP_SYS_ADMIN; the ``ip``, ``tc`` and ``unshare``
+    commands; that a network namespace, a veth pair and a ``tbf`` qdisc can be created (a
+    scratch namespace, removed again); whether ``netem`` exists (needed only for ``latency``);
+    an ``mpiexec`` with hydra's ssh launcher.
 
     Returns
     -------
     CheckResult
     """
     rows: list[tuple[str, bool, str]] = []
-    priv = _has_cap_net_admin()
+    priv = _has_privileges()
     rows.append(
         (
             "privileges",
             priv,
-            "CAP_NET_ADMIN" if priv else "needs root or CAP_NET_ADMIN (run as root or with sudo)",
+            "CAP_NET_ADMIN, CAP_SYS_ADMIN"
+            if priv
+            else "needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN (run as root or with sudo)",
         )
     )
     tools = {t: shutil.which(t) for t in ("ip", "tc", "unshare")}
@@ -309,7 +315,7 @@ def check() -> CheckResult:
         rows.append(("mpiexec", True, mpiexec))
     except FileNotFoundError as e:
         rows.append(("mpiexec", False, str(e)))
-    netem = False
+    netem, netem_tried = False, False
     if priv and all(tools.values()):
         ns = f"spardl-{os.getpid()}-{secrets.token_hex(3)}-check"
         try:
@@ -320,6 +326,7 @@ def check() -> CheckResult:
             rows.append(("namespaces, veth, tbf", True, "created and removed a scratch node"))
             netem_cmd = ["tc", "qdisc", "add", "dev", "c1", "root", "netem", "delay", "1ms"]
             netem = _in_ns(ns, netem_cmd, check=False).returncode == 0
+            netem_tried = True
         except (ClusterError, subprocess.TimeoutExpired) as e:
             rows.append(("namespaces, veth, tbf", False, str(e)))
         finally:
@@ -329,8 +336,8 @@ def check() -> CheckResult:
         (
             "netem (optional)",
             True,
-            "not checked (needs the privileges and tools above)"
-            if not (priv and all(tools.values()))
+            "not checked (needs the privileges, tools and namespaces above)"
+            if not netem_tried
             else "available: --latency works"
             if netem
             else "not in this kernel: --latency is refused; links add only their own latency",
@@ -436,7 +443,7 @@ class Cluster:
         self._tmp = tempfile.mkdtemp(prefix=self.prefix + "-")
         # The janitor removes everything if this process dies without cleaning up (SIGKILL).
         self._janitor = subprocess.Popen(
-            [sys.executable, "-c", _JANITOR, self.prefix, self._tmp],
+            [sys.executable, "-c", _JANITOR, self.prefix, self._tmp, str(Path(__file__).parent)],
             stdin=subprocess.PIPE,
             start_new_session=True,
         )
@@ -633,11 +640,18 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def check_quick() -> str | None:
     """The first missing requirement in one line (no namespace is created), or None."""
-    if not _has_cap_net_admin():
-        return "emulated clusters need root or CAP_NET_ADMIN (try: sudo spardl cluster ...)"
+    if not _has_privileges():
+        return (
+            "emulated clusters need root, or CAP_NET_ADMIN and CAP_SYS_ADMIN "
+            "(try: sudo spardl cluster ...)"
+        )
     for t in ("ip", "tc", "unshare"):
         if shutil.which(t) is None:
             return f"emulated clusters need the `{t}` command (iproute2 / util-linux)"
+    tmp = tempfile.gettempdir()
+    if any(c.isspace() for c in tmp):
+        # MPICH's launcher splits the launcher path of the run's scratch folder at blanks.
+        return f"the temporary folder {tmp!r} has a blank in its path: set TMPDIR to one without"
     return None
 
 
@@ -651,7 +665,13 @@ def _janitor_main(prefix: str, tmp: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-_JANITOR = "import sys; from spardl.cluster import _janitor_main; _janitor_main(*sys.argv[1:3])"
+# The package is stood in for by an empty module of the same path: its __init__ would import
+# mpi4py and start MPI, seconds of start-up that the last-resort cleanup must not depend on.
+_JANITOR = (
+    "import sys, types; pkg = types.ModuleType('spardl'); pkg.__path__ = [sys.argv[3]]; "
+    "sys.modules['spardl'] = pkg; "
+    "from spardl.cluster import _janitor_main; _janitor_main(*sys.argv[1:3])"
+)
 
 
 # -- measurements from inside a node -------------------------------------------------------------

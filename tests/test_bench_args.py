@@ -208,7 +208,7 @@ def _bench(*argv) -> subprocess.CompletedProcess:
 NO_CAP = (
     "import runpy, sys\n"
     "import spardl.cluster\n"
-    "spardl.cluster._has_cap_net_admin = lambda: False\n"
+    "spardl.cluster._has_privileges = lambda: False\n"
     "sys.argv = sys.argv[1:]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )

@@ -2,8 +2,8 @@
 the shared-memory results bit for bit, the links carried what ``stats`` counted, and nothing a run
 creates outlives it.
 
-The tests marked ``cluster`` need root or CAP_NET_ADMIN; without them they skip, and under
-``CI=true`` a skip of a ``cluster`` test is a failure (tests/conftest.py).
+The tests marked ``cluster`` need root (CAP_NET_ADMIN and CAP_SYS_ADMIN); without them they
+skip, and under ``CI=true`` a skip of a ``cluster`` test is a failure (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ def test_cluster_arguments_are_checked():
         # An option where the program goes: mpiexec took it as its own.
         (["run", "--nodes", "1", "--", "--version"], "must start with a program"),
         (["run", "--nodes", "1", "--", ""], "must start with a program"),
+        # Found out by MPI's launcher once per node, in its words, after the cluster was built.
+        (["run", "--nodes", "2", "--", "nosuchprogram_xyz"], "no program 'nosuchprogram_xyz'"),
+        (["run", "--nodes", "2", "--", "/nonexistent/prog"], "no program '/nonexistent/prog'"),
     ],
 )
 def test_usage_errors_are_one_line_status_2(args, says):
@@ -246,6 +249,63 @@ def test_killed_launcher_leaves_nothing(sig, tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_the_janitor_starts_no_mpi(tmp_path):
+    """The last-resort cleanup process imports the cluster module alone: it imported the whole
+    package, which starts MPI (seconds under load, and a dependency it must not have)."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    probe = cluster._JANITOR + "; print(sorted(m for m in sys.modules if 'mpi4py' in m))"
+    pkg = str(Path(cluster.__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, "spardl-0-none", str(scratch), pkg],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    assert not scratch.exists()  # its work: the run's scratch folder removed
+
+
+@pytest.mark.cluster
+@needs_cluster
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_bench_stopped_by_a_signal_leaves_no_folder(sig, tmp_path):
+    """bench/cluster.py ended by TERM left its temporary folder (no handler: the ``with`` blocks
+    never ran), and by Ctrl-C printed a traceback."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv = [sys.executable, "bench/cluster.py", "--bandwidth", "100mbit", "--layout", "2x1"]
+    argv += ["--n", "100000", "--algorithms", "spardl", "--repeat", "100000", "--warmup", "0"]
+    bench = subprocess.Popen(
+        [*argv, "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        env=dict(os.environ, TMPDIR=str(tmp)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_sigint_default,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_ours(bench.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_ours(bench.pid)) == 3
+        time.sleep(2.0)
+        bench.send_signal(sig)
+        _, err = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert "Traceback" not in err, err
+    assert bench.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
+    assert list(tmp.iterdir()) == [], list(tmp.iterdir())
+    assert _ours(bench.pid) == []
 
 
 @pytest.mark.cluster

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -74,7 +75,7 @@ def add_cluster(sub) -> None:
         help="run an MPI job across emulated nodes with shaped network links",
         description="Emulated nodes on this machine (network + UTS namespaces on a bridge, each "
         "link shaped with tc tbf), so MPI runs over real TCP links of a chosen rate. Needs root "
-        "or CAP_NET_ADMIN.",
+        "or CAP_NET_ADMIN and CAP_SYS_ADMIN.",
     )
     cs = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND", required=True)
     r = cs.add_parser(
@@ -145,6 +146,8 @@ def _cmd_sweep(args) -> int:
 
 
 def _on_sigterm(signum, frame):
+    name = signal.Signals(signum).name
+    print(f"spardl cluster: {name}; removing everything", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 
@@ -159,6 +162,10 @@ def _cmd_run(args) -> int:
     if not command[0] or command[0].startswith("-"):
         # mpiexec would take it as one of its own options (or an empty program name).
         return _error(f"the command must start with a program, got {command[0]!r}")
+    if shutil.which(command[0]) is None:
+        # Checked here, before any namespace exists: MPI's launcher would report it once per
+        # node, in its own words, after the cluster was built.
+        return _error(f"no program {command[0]!r} (not an executable file, nor on PATH)")
     problem = check_quick()
     if problem:
         return _error(problem)

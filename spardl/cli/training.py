@@ -64,7 +64,8 @@ def launch_train(
         Seconds.
     bandwidth : str, optional
         Run on P emulated nodes (one rank each) whose links have this rate, in ``tc`` syntax
-        (:class:`spardl.cluster.Cluster`; needs root or CAP_NET_ADMIN). Shared memory if None.
+        (:class:`spardl.cluster.Cluster`; needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN).
+        Shared memory if None.
 
     Raises
     ------
@@ -125,7 +126,7 @@ def add_demo(sub) -> None:
         type=rate_type,
         default=None,
         help="run across P emulated nodes (one rank each) whose links have this rate, tc syntax "
-        "(1gbit, 100mbit); needs root or CAP_NET_ADMIN (spardl cluster check)",
+        "(1gbit, 100mbit); needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN (spardl cluster check)",
     )
     p.set_defaults(func=_cmd_demo)
 
