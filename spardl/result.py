@@ -63,7 +63,9 @@ class SparseResult:
     ``cupy.asarray(a)``), bit-identical to the host result for the same data, and
     :meth:`to_dense` scatters (or, for the dense form, copies) on the device.
 
-    A result is read-only: its attributes cannot be reassigned.
+    A result is read-only: its attributes cannot be reassigned. Its arrays are not copied
+    on access: writing into ``indices`` or ``values`` changes what the result holds (and, for
+    a sparse result, what :meth:`to_dense` returns); copy them to change them.
     """
 
     __slots__ = ("n", "_indices", "_values", "_dense")

@@ -80,6 +80,26 @@ def _world():
     return MPI.COMM_WORLD
 
 
+#: The ``torch.distributed`` backends :func:`init_process_group_from_mpi` takes.
+_BACKENDS = ("gloo", "nccl", "mpi")
+
+
+def _check_backend(backend) -> None:
+    """TypeError or ValueError naming ``backend`` where this process cannot use it."""
+    import torch.distributed as dist
+
+    if backend is None:
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or None, got {type_name(backend)}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(_BACKENDS)} or None, got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() == 0:
+        raise ValueError('backend="nccl" needs a CUDA device, and none is visible: use "gloo"')
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise ValueError('backend="mpi" needs a PyTorch built with MPI, and this one is not')
+
+
 def _rendezvous_store(c: Comm, addr: str, timeout):
     """The ``torch.distributed`` key-value store of the job, opened once on every rank.
 
@@ -175,22 +195,28 @@ def init_process_group_from_mpi(comm=None, backend: str | None = None, timeout=N
         If a process group is already initialised with another rank or size, or rank 0 cannot
         listen on ``MASTER_ADDR:MASTER_PORT`` (raised on every rank).
     TypeError
-        If ``comm`` is not an mpi4py intracommunicator, or ``backend`` not a string or None.
+        If ``comm`` is not an mpi4py intracommunicator, or ``backend`` not a string or None (on
+        every rank, as the errors below).
     ValueError
-        If ``backend`` is "nccl" and this node has no CUDA device, or the process was started
+        If ``backend`` is not "gloo", "nccl", "mpi" or None, differs between ranks, is "nccl" where
+        a node has no CUDA device or "mpi" where PyTorch lacks MPI, or the process was started
         by ``torchrun`` for a job of more processes than MPI's world holds (each process is
         then an MPI job of one: launch with ``mpiexec -n P`` instead).
     """
     import torch.distributed as dist
 
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"backend must be a string or None, got {type_name(backend)}")
-    if backend == "nccl" and torch.cuda.device_count() == 0:
-        raise ValueError('backend="nccl" needs a CUDA device, and none is visible: use "gloo"')
     c = Comm(_world() if comm is None else comm)
     try:
         rank, size = c.rank, c.size
         _refuse_torchrun(_world().Get_size())
+        err = None
+        try:
+            _check_backend(backend)
+        except (TypeError, ValueError) as e:
+            err = e
+        # Every rank the same backend, or an error on every rank: a bad one on some ranks
+        # left the others waiting in the rendezvous.
+        collective_check(c, err, [name_hash(repr(backend))], {"backend": repr(backend)})
         if dist.is_initialized():
             if dist.get_rank() != rank or dist.get_world_size() != size:
                 raise RuntimeError(
@@ -236,6 +262,7 @@ class _Techniques:
         dense_numel=0,
         density=None,
         residual="global",
+        algorithm=None,
     ):
         d = check_int("dense_numel", dense_numel)
         if d < 0:
@@ -245,10 +272,11 @@ class _Techniques:
         if m is not None:
             if not 0 <= m < 1:
                 raise ValueError(f"momentum_correction must be in [0, 1), got {m}")
-            if residual == "none":
+            if residual == "none" or algorithm == "dense":
+                what = "algorithm='dense' keeps none" if algorithm == "dense" else "not 'none'"
                 raise ValueError(
-                    "momentum_correction needs error feedback (residual='global' or 'local'): "
-                    "the residual holds the accumulated velocity's unsent part"
+                    "momentum_correction needs error feedback (residual='global' or 'local'; "
+                    f"{what}): the residual holds the accumulated velocity's unsent part"
                 )
             m = float(m)
         check_bool("factor_masking", factor_masking)
@@ -1835,6 +1863,7 @@ class SparseHookState(_Front):
                 dense_numel=dense_numel,
                 density=allreducer_options.get("density", _DEFAULT_DENSITY),
                 residual=allreducer_options.get("residual", "global"),
+                algorithm=algorithm,
             )
         except (TypeError, ValueError, RuntimeError) as e:
             err = e
@@ -2251,7 +2280,8 @@ class SparseGradientReducer(_Front):
         residual E plays the role of DGC's accumulated velocity v's unsent part
         (X = u + E_old is what is sparsified). The optimizer must then run WITHOUT momentum on
         the reduced result (``SGD(params, lr, momentum=0)``; weight decay, if any, is then applied
-        after the reduction). Needs ``residual`` "global" or "local". Default None: off.
+        after the reduction). Needs ``residual`` "global" or "local" and a sparse algorithm
+        (dense keeps no residual). Default None: off.
     factor_masking : bool, default True
         Momentum factor masking (arXiv 1712.01887 §3.2), with ``momentum_correction``: after a
         sparse step, u_i ← 0 on every coordinate i where this rank's accumulation left its
@@ -2336,6 +2366,7 @@ class SparseGradientReducer(_Front):
                 dense_numel=dense_numel,
                 density=options.get("density", _DEFAULT_DENSITY),
                 residual=options.get("residual", "global"),
+                algorithm=algorithm,
             )
         except (TypeError, ValueError) as e:
             err, named, frozen, self._warmup, tech = e, [], [], 0, None

@@ -1,6 +1,6 @@
 """Bad arguments to public functions raise a ValueError or TypeError naming the argument: the
-cost model's closed forms, predict and replay, pingpong.fit_gamma, auto.candidate_names, the
-selectors and dtypes.work_dtype. No MPI."""
+cost model's closed forms, predict and replay, pingpong.fit_gamma, auto.candidate_names and
+auto.explain, the selectors and dtypes.work_dtype. No MPI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from spardl import cost_model as cm
-from spardl.algorithms.auto import candidate_names
+from spardl.algorithms.auto import candidate_names, explain
 from spardl.dtypes import work_dtype
 from spardl.pingpong import fit_gamma
 from spardl.selection import ExactSelector, ThresholdSelector
@@ -382,3 +382,18 @@ def test_work_dtype_checks_its_dtype(dtype, error):
 def test_work_dtype_of_the_gradient_dtypes(dtype, want):
     got = work_dtype(dtype)
     assert isinstance(got, np.dtype) and got == want
+
+
+@pytest.mark.parametrize(
+    ("report", "error", "says"),
+    [
+        ({}, ValueError, "stats['auto'], which holds choice"),
+        ({"choice": "topka"}, ValueError, "which holds phase"),
+        ([], TypeError, "report must be a dict"),
+    ],
+)
+def test_explain_names_a_report_that_is_not_one(report, error, says):
+    """explain({}) was a raw KeyError: 'choice'."""
+    with pytest.raises(error) as info:
+        explain(report)
+    assert says in str(info.value)

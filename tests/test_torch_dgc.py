@@ -164,6 +164,12 @@ def test_under_torchrun_the_process_group_from_mpi_is_refused(monkeypatch):
             ValueError,
             "momentum_correction needs error feedback",
         ),
+        # Dense keeps no residual: factor masking zeroed the velocity at every step.
+        (
+            {"momentum_correction": 0.9, "algorithm": "dense"},
+            ValueError,
+            "algorithm='dense' keeps none",
+        ),
         ({"factor_masking": 1}, TypeError, "factor_masking must be a bool"),
         ({"clip_norm": 0.0}, ValueError, "clip_norm must be a finite number > 0"),
         ({"clip_norm": True}, TypeError, "clip_norm must be a float"),

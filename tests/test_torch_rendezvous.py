@@ -46,3 +46,23 @@ def test_a_port_rank_0_cannot_listen_on_is_an_error_on_every_rank():
         assert "error" in r, lines
         assert "could not open the rendezvous store" in r["error"]
         assert f"127.0.0.1:{port}" in r["error"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"TEST_BACKEND": "bogus"}, "backend must be one of gloo, nccl, mpi or None"),
+        ({"TEST_BACKEND_1": "bogus"}, "rank 1"),
+        ({"TEST_BACKEND_1": "gloo"}, "ranks disagree on backend"),
+    ],
+)
+def test_a_backend_bad_or_different_on_some_rank_is_an_error_on_every_rank(env, says):
+    """An unknown backend was torch's AssertionError from deep inside, on some ranks, and the
+    others waited in the rendezvous (5 runs of 6 hung); one rank's backend differing hung the
+    others every time."""
+    lines = _lines(3, {"MASTER_PORT": "", **env})
+    for r in lines:
+        assert "error" in r, lines
+        assert says in r["error"] or "backend must be one of" in r["error"], lines
+    assert any(says in r["error"] for r in lines), lines

@@ -828,7 +828,22 @@ def explain(report: dict) -> str:
     -------
     str
         Lines without a trailing newline.
+
+    Raises
+    ------
+    TypeError
+        If ``report`` is not a dict.
+    ValueError
+        If ``report`` lacks a field ``stats["auto"]`` holds (it is not such a report).
     """
+    if not isinstance(report, dict):
+        raise TypeError(f"report must be a dict (stats['auto']), got {type(report).__name__}")
+    need = ("choice", "phase", "decisions", "switches", "interval", "trials", "alpha", "beta")
+    missing = [k for k in (*need, "rates", "prune", "candidates") if k not in report]
+    if missing:
+        raise ValueError(
+            f"report must be an auto allreducer's stats['auto'], which holds {', '.join(missing)}"
+        )
     head = (
         f"auto: {report['choice']} ({report['phase']}; {_count(report['decisions'], 'decision')}"
         f", {_count(report['switches'], 'switch')} (trials included), every "

@@ -484,8 +484,9 @@ class Allreducer:
         Parameters
         ----------
         grad : array of shape (n,), float16, float32 or float64
-            This rank's gradient: NumPy (or anything NumPy views without a copy), or a GPU
-            array (``__cuda_array_interface__``: torch CUDA tensor, CuPy, Numba device array).
+            This rank's gradient: NumPy (or anything NumPy views without a copy; a sequence
+            such as a list is converted, a copy), or a GPU array (``__cuda_array_interface__``:
+            torch CUDA tensor, CuPy, Numba device array).
             A GPU gradient keeps the whole step on the device (module docstring).
 
         Returns

@@ -1,4 +1,4 @@
-"""Run init_process_group_from_mpi on every rank and print one JSON line per rank.
+"""Run init_process_group_from_mpi on every rank; rank 0 prints one JSON line per rank.
 
 Each line holds the rank, the port the group met on (or the error it raised) and, where the group
 formed, the sum of an all-reduce of rank + 1 over it (a group that formed really communicates).
@@ -17,8 +17,10 @@ from spardl.torch import init_process_group_from_mpi
 
 rank = MPI.COMM_WORLD.Get_rank()
 line = {"rank": rank}
+# The backend of this rank: TEST_BACKEND_<rank>, else TEST_BACKEND, else None (the default).
+backend = os.environ.get(f"TEST_BACKEND_{rank}", os.environ.get("TEST_BACKEND")) or None
 try:
-    init_process_group_from_mpi(timeout=datetime.timedelta(seconds=60))
+    init_process_group_from_mpi(backend=backend, timeout=datetime.timedelta(seconds=60))
 except Exception as e:  # noqa: BLE001 - the test reads what every rank raised
     line["error"] = f"{type(e).__name__}: {e}"
 else:
@@ -27,5 +29,7 @@ else:
     line["port"] = int(os.environ["MASTER_PORT"])
     line["sum"] = float(t.item())
     dist.destroy_process_group()
-print(json.dumps(line), flush=True)
-MPI.COMM_WORLD.Barrier()
+lines = MPI.COMM_WORLD.gather(line, root=0)  # printed by one rank: no interleaved lines
+if rank == 0:
+    for one in lines:
+        print(json.dumps(one), flush=True)
