@@ -109,7 +109,9 @@ def _auto_trying(comm, n, target):
     """``auto`` saved during the trials of its second candidate, ``target`` (two of its three
     trial steps taken), and the options to build another: a fresh one has built its first
     candidate only, so the saved candidate state waits there for ``target`` to be built."""
-    opts = dict(candidates=["topka", target], trials=3)
+    # prune=0: every candidate is tried (with pruning, a fast first candidate on an idle
+    # machine could rule the second out, and the trials never reach it).
+    opts = dict(candidates=["topka", target], trials=3, prune=0)
     a = _stepped(comm, "auto", n, 0.1, steps=5, **opts)
     assert a.stats["auto"]["choice"] == target and a.stats["auto"]["phase"] == "trials"
     return a, opts
