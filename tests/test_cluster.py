@@ -320,17 +320,23 @@ def test_python_api_counters_and_shaping():
         "c.Send(a, 1) if c.rank == 0 else c.Recv(a, 0); "
         "print(time.perf_counter() - t) if c.rank == 1 else None"
     )
-    with cluster.Cluster(2, bandwidth="100mbit") as cl:
+    seconds, counters = _on_two_nodes(body, "100mbit")
+    assert seconds >= 16e6 * 8 / 100e6 * 0.9  # 1.28 s at the link rate
+    assert counters[0]["tx_bytes"] >= 16e6
+    assert counters[1]["rx_bytes"] >= 16e6
+
+
+def _on_two_nodes(body: str, bandwidth: str) -> tuple[float, list[dict]]:
+    """``python -c body`` on a 2-node cluster (the context manager, removed after): the number
+    it printed last and the links' counters."""
+    with cluster.Cluster(2, bandwidth=bandwidth) as cl:
         proc = cl.run([sys.executable, "-c", body], timeout=120, capture_output=True, text=True)
         counters = cl.counters()
         names = list(cl.node_names) + [cl.switch]
         assert set(names) <= set(cluster._namespaces())
     assert proc.returncode == 0, proc.stderr
-    seconds = float(proc.stdout.strip().splitlines()[-1])
-    assert seconds >= 16e6 * 8 / 100e6 * 0.9  # 1.28 s at the link rate
-    assert counters[0]["tx_bytes"] >= 16e6
-    assert counters[1]["rx_bytes"] >= 16e6
     assert not set(names) & set(cluster._namespaces())
+    return float(proc.stdout.strip().splitlines()[-1]), counters
 
 
 @pytest.mark.cluster
@@ -349,10 +355,7 @@ def test_a_short_message_after_a_pause_is_shaped():
         "    best = min(best, time.perf_counter() - t)\n"
         "print(best) if c.rank == 0 else None"
     )
-    with cluster.Cluster(2, bandwidth="10mbit") as cl:
-        proc = cl.run([sys.executable, "-c", body], timeout=120, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    seconds = float(proc.stdout.strip().splitlines()[-1])
+    seconds, _ = _on_two_nodes(body, "10mbit")
     assert seconds >= 100e3 * 8 / 10e6 * 0.9, seconds  # 80 ms at the link rate
 
 
