@@ -272,11 +272,10 @@ class _Techniques:
         if m is not None:
             if not 0 <= m < 1:
                 raise ValueError(f"momentum_correction must be in [0, 1), got {m}")
-            if residual == "none" or algorithm == "dense":
-                what = "algorithm='dense' keeps none" if algorithm == "dense" else "not 'none'"
+            if residual == "none":
                 raise ValueError(
-                    "momentum_correction needs error feedback (residual='global' or 'local'; "
-                    f"{what}): the residual holds the accumulated velocity's unsent part"
+                    "momentum_correction needs error feedback (residual='global' or 'local'): "
+                    "the residual holds the accumulated velocity's unsent part"
                 )
             m = float(m)
         check_bool("factor_masking", factor_masking)
@@ -1137,7 +1136,9 @@ class _Core:
         self.flat.copy_(u)
         for a, b, _ in kept:
             self.flat[a:b].zero_()
-        if not tech.factor_masking or dense:
+        # Dense steps do not mask: everything was sent, and masking would zero u at every step
+        # (the warm-up's dense steps, and every step of algorithm="dense").
+        if not tech.factor_masking or dense or ar.name == "dense":
             return u_before, None
         # X = u + E_old, in the allreducer's work dtype and the same float operations.
         flat = self.flat
@@ -2280,8 +2281,9 @@ class SparseGradientReducer(_Front):
         residual E plays the role of DGC's accumulated velocity v's unsent part
         (X = u + E_old is what is sparsified). The optimizer must then run WITHOUT momentum on
         the reduced result (``SGD(params, lr, momentum=0)``; weight decay, if any, is then applied
-        after the reduction). Needs ``residual`` "global" or "local" and a sparse algorithm
-        (dense keeps no residual). Default None: off.
+        after the reduction). Needs ``residual`` "global" or "local". With ``algorithm="dense"``
+        every step is a dense one: u is reduced whole and never masked (SGD with momentum on
+        the mean gradient). Default None: off.
     factor_masking : bool, default True
         Momentum factor masking (arXiv 1712.01887 §3.2), with ``momentum_correction``: after a
         sparse step, u_i ← 0 on every coordinate i where this rank's accumulation left its

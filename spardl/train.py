@@ -491,13 +491,6 @@ def _check_args(args, P: int) -> None:
         )
     if args.momentum_correction and args.residual == "none":
         raise UsageError("--momentum-correction needs error feedback: not with --residual none")
-    if args.momentum_correction and args.algorithm == "dense":
-        # Factor masking would zero the velocity at every step (the dense allreducer sends
-        # everything and keeps no residual): a run without momentum, silently.
-        raise UsageError(
-            "--momentum-correction applies to the sparse algorithms (--algorithm dense keeps "
-            "no residual; its momentum is --momentum)"
-        )
     if args.algorithm != "spardl" and args.teams != 1:
         raise UsageError(f"--teams applies to --algorithm spardl only, got {args.teams}")
     if getattr(args, "explain", False) and args.algorithm != "auto":

@@ -164,12 +164,6 @@ def test_under_torchrun_the_process_group_from_mpi_is_refused(monkeypatch):
             ValueError,
             "momentum_correction needs error feedback",
         ),
-        # Dense keeps no residual: factor masking zeroed the velocity at every step.
-        (
-            {"momentum_correction": 0.9, "algorithm": "dense"},
-            ValueError,
-            "algorithm='dense' keeps none",
-        ),
         ({"factor_masking": 1}, TypeError, "factor_masking must be a bool"),
         ({"clip_norm": 0.0}, ValueError, "clip_norm must be a finite number > 0"),
         ({"clip_norm": True}, TypeError, "clip_norm must be a float"),
@@ -255,6 +249,24 @@ def test_dense_numel_gives_small_parameters_the_mean_over_ranks(checks, algorith
     assert r["conservation_error"] <= 1e-6, r
     assert r["velocity_kept"], r
     assert r["sum_error"] <= 1e-6, r  # op="sum" sums the small parameters too
+
+
+def test_momentum_correction_with_the_dense_algorithm_is_sgd_with_momentum():
+    """algorithm="dense" with momentum correction (the velocity reduced, the optimizer without
+    momentum) trains as SGD with momentum. Factor masking zeroed the velocity at every step
+    (dense sends everything), and the run had no momentum at all."""
+    torch.manual_seed(0)
+    grads = [torch.randn(16) for _ in range(5)]
+    p, q = torch.nn.Parameter(torch.ones(16)), torch.nn.Parameter(torch.ones(16))
+    red = st.SparseGradientReducer([p], MPI.COMM_SELF, "dense", momentum_correction=0.9)
+    opt_p = torch.optim.SGD([p], lr=0.1, momentum=0.0)
+    opt_q = torch.optim.SGD([q], lr=0.1, momentum=0.9)
+    for g in grads:
+        p.grad, q.grad = g.clone(), g.clone()
+        red.reduce()
+        opt_p.step()
+        opt_q.step()
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_step_that_raises_leaves_the_velocity_as_it_was():

@@ -536,19 +536,6 @@ def test_bad_dgc_options_are_usage_errors(option, message):
         _check_args(args, 2)
 
 
-def test_momentum_correction_with_dense_is_a_usage_error():
-    """--algorithm dense --momentum-correction trained without momentum (factor masking zeroed
-    the velocity at every step, dense keeping no residual), silently."""
-    from spardl.cli import build_parser
-    from spardl.cli.common import UsageError
-    from spardl.train import _check_args, _resolve_task
-
-    args = build_parser().parse_args(["train", *DENSE[3:], "--momentum-correction"])
-    _resolve_task(args)
-    with pytest.raises(UsageError, match="--momentum-correction applies to the sparse algorithms"):
-        _check_args(args, 2)
-
-
 @pytest.mark.parametrize(
     "option",
     [
