@@ -262,7 +262,6 @@ class _Techniques:
         dense_numel=0,
         density=None,
         residual="global",
-        algorithm=None,
     ):
         d = check_int("dense_numel", dense_numel)
         if d < 0:
@@ -1864,7 +1863,6 @@ class SparseHookState(_Front):
                 dense_numel=dense_numel,
                 density=allreducer_options.get("density", _DEFAULT_DENSITY),
                 residual=allreducer_options.get("residual", "global"),
-                algorithm=algorithm,
             )
         except (TypeError, ValueError, RuntimeError) as e:
             err = e
@@ -2368,7 +2366,6 @@ class SparseGradientReducer(_Front):
                 dense_numel=dense_numel,
                 density=options.get("density", _DEFAULT_DENSITY),
                 residual=options.get("residual", "global"),
-                algorithm=algorithm,
             )
         except (TypeError, ValueError) as e:
             err, named, frozen, self._warmup, tech = e, [], [], 0, None

@@ -838,8 +838,8 @@ def explain(report: dict) -> str:
     """
     if not isinstance(report, dict):
         raise TypeError(f"report must be a dict (stats['auto']), got {type(report).__name__}")
-    need = ("choice", "phase", "decisions", "switches", "interval", "trials", "alpha", "beta")
-    missing = [k for k in (*need, "rates", "prune", "candidates") if k not in report]
+    need = "choice phase decisions switches interval trials alpha beta rates prune candidates"
+    missing = [k for k in need.split() if k not in report]
     if missing:
         raise ValueError(
             f"report must be an auto allreducer's stats['auto'], which holds {', '.join(missing)}"

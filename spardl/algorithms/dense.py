@@ -296,7 +296,7 @@ class Dense(Allreducer):
         top = float(np.finfo(self._dtype).max)
         host = A.to_host(total)
         clamped = np.clip(host, -top, top)
-        if finite is None or not finite:
+        if not finite:  # False, or None (not known yet)
             # NaN or Inf sums (nonfinite="propagate") stay as they are; only the finite values
             # past the range are clamped.
             keep = np.isfinite(host)
