@@ -148,6 +148,15 @@ def _algorithm(obj) -> str:
     return obj.name if isinstance(obj, Allreducer) else obj._core.algorithm
 
 
+def _agree(obj, err, fields, described) -> None:
+    """:func:`collective_check` over :func:`_control` (``obj``'s own check for an
+    allreducer, which also compares which allreducer of its communicator it is)."""
+    if isinstance(obj, Allreducer):
+        obj.collective_check(err, fields, described)
+    else:
+        collective_check(obj._core.ctl, err, fields, described)
+
+
 def _is_tensor(obj) -> bool:
     """A torch tensor, told by its methods (this module does not import torch)."""
     return hasattr(obj, "detach") and hasattr(obj, "cpu") and hasattr(obj, "numpy")
@@ -509,7 +518,6 @@ def load_rank_states(obj, states: dict, world_size: int) -> None:
 
 def _load(obj, states, world_size, err) -> None:
     """:func:`load_rank_states`, with this rank's error so far (it joins the first check)."""
-    comm = _control(obj)
     prepared = None
     if err is None:
         try:
@@ -517,8 +525,8 @@ def _load(obj, states, world_size, err) -> None:
         except (TypeError, ValueError) as e:
             err = e
     P = int(world_size) if err is None else -1
-    collective_check(
-        comm,
+    _agree(
+        obj,
         err,
         [name_hash("spardl.elastic.load"), P],
         {"elastic load": _algorithm(obj), "checkpoint world size": P},
@@ -534,8 +542,8 @@ def _load(obj, states, world_size, err) -> None:
     except (TypeError, ValueError) as e:
         err = e
     try:
-        collective_check(
-            comm,
+        _agree(
+            obj,
             err,
             [name_hash(f"{obj.name}|elastic load"), obj._calls if err is None else -1, obj.step],
             {"elastic load": obj.name, "state's call number": obj._calls if err is None else None},
@@ -575,7 +583,7 @@ def _agree_on_save(comm: Comm, obj, what: str, root, none: bool, path=...) -> st
         ok = err is None
         fields.append(name_hash(path) if ok else -1)
         described["path"] = path if ok else None
-    collective_check(comm, err, fields, described)
+    _agree(obj, err, fields, described)
     return None if path is ... else path
 
 

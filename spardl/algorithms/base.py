@@ -99,6 +99,9 @@ class Above:
     threshold: float
 
 
+#: How a failed check names :attr:`Allreducer.user`.
+_USER = "allreducer (in the order built on its communicator)"
+
 _DTYPE_CODES = {dt: code for code, dt in enumerate(VALUE_DTYPES, start=1)}
 
 
@@ -324,12 +327,8 @@ class Allreducer:
             calls = self._calls
             self.collective_check(
                 None,
-                [name_hash(f"{self.name}|close"), self.user, calls],
-                lambda: {
-                    "close": self.name,
-                    "call number": calls,
-                    "allreducer (in the order built on its communicator)": self.user,
-                },
+                [name_hash(f"{self.name}|close"), calls],
+                lambda: {"close": self.name, "call number": calls},
             )
         self._free()
 
@@ -399,13 +398,8 @@ class Allreducer:
                 name_hash(f"{self.name}|set_density"),
                 _float_bits(density) if ok_float else -1,
                 self._calls,
-                self.user,
             ],
-            {
-                "set_density": repr(density),
-                "call number": self._calls,
-                "allreducer (in the order built on its communicator)": self.user,
-            },
+            {"set_density": repr(density), "call number": self._calls},
         )
         self._apply_density(rho)
 
@@ -428,8 +422,39 @@ class Allreducer:
 
     def collective_check(self, err, signature, described) -> None:
         """Raise on every rank if any rank failed locally or the ranks disagree
-        (:func:`collective_check` over this allreducer's communicator)."""
-        collective_check(self.comm, err, signature, described)
+        (:func:`collective_check` over this allreducer's communicator), on ``signature`` and
+        on which allreducer of the communicator this is (:attr:`user`): ranks that call two
+        allreducers sharing one :class:`spardl.comm.Comm` in a different order raise instead
+        of exchanging each other's messages.
+
+        Parameters
+        ----------
+        err : Exception or None
+            This rank's local error, re-raised on this rank.
+        signature : list of int
+            The fields every rank must agree on (:func:`collective_check`).
+        described : dict, or a callable without arguments that returns one
+            The same fields in words.
+
+        Raises
+        ------
+        ValueError, TypeError
+            On every rank, as :func:`collective_check`.
+        """
+        collective_check(self.comm, err, [*signature, self.user], self._with_user(described))
+
+    def _with_user(self, described):
+        """``described`` (a dict or a callable returning one) with :attr:`user` in words."""
+        if callable(described):
+            return lambda: {**described(), _USER: self.user}
+        return {**described, _USER: self.user}
+
+    def _agree_on_load(self, err, identity, described) -> None:
+        """:func:`agree_on_load` of this allreducer's just loaded state, naming it as
+        :meth:`collective_check` does (its :attr:`user` joins ``identity``)."""
+        agree_on_load(
+            self.comm, err, [*identity, self.user], self._with_user(described), loaded=self
+        )
 
     def _as_vector(self, grad) -> np.ndarray:
         if A.is_device(grad):
@@ -590,14 +615,13 @@ class Allreducer:
             calls = self._calls
             self.collective_check(
                 err,
-                [name_hash(self.name), self.n, _dtype_code(dtype), calls, int(on_gpu), self.user],
+                [name_hash(self.name), self.n, _dtype_code(dtype), calls, int(on_gpu)],
                 lambda: {  # words only for a failed check
                     "grad dtype": str(dtype),
                     "grad device": "gpu" if on_gpu else "cpu",
                     "n": self.n,
                     "algorithm": self.name,
                     "call number": calls,
-                    "allreducer (in the order built on its communicator)": self.user,
                 },
             )
         elif err is not None:
@@ -827,16 +851,10 @@ class Allreducer:
             err = e
             self._restore(saved)
         try:
-            agree_on_load(
-                self.comm,
+            self._agree_on_load(
                 err,
-                [name_hash(f"{self.name}|load_state_dict"), saved[1], self.user],
-                {
-                    "load_state_dict": self.name,
-                    "call number before": saved[1],
-                    "allreducer (in the order built on its communicator)": self.user,
-                },
-                loaded=self,
+                [name_hash(f"{self.name}|load_state_dict"), saved[1]],
+                {"load_state_dict": self.name, "call number before": saved[1]},
             )
         except BaseException:
             self._restore(saved)

@@ -537,3 +537,31 @@ def test_a_path_in_bytes_is_saved_and_one_naming_no_file_is_refused_everywhere()
     assert ar.step == 1
     _free(ar)
     WORLD.Barrier()
+
+
+def test_a_folded_load_into_another_allreducer_of_a_shared_comm_is_refused_everywhere():
+    """Two allreducers of one algorithm sharing a spardl Comm: a rank that loads the folded
+    states into the second where the others load the first once went through, each rank
+    holding a different allreducer's state. The check names which allreducer it is, every
+    rank raises and keeps its state; in the same order the load goes through."""
+    gathered, _ = _saved()
+    states = dict(enumerate(WORLD.bcast(gathered, root=0)["states"]))
+    P = max(1, W - 1)
+    sub = _world_of(P)
+    if sub is not None:
+        shared = spardl.Comm(sub)
+        a = spardl.make("spardl", shared, 24, density=0.2)
+        b = spardl.make("spardl", shared, 24, density=0.2)
+        before = [a.state_dict(), b.state_dict()]
+        if P > 1:
+            with pytest.raises(ValueError, match="in the order built on its communicator"):
+                elastic.load_rank_states(a if sub.Get_rank() == 0 else b, states, W)
+            same_state(before[0], a.state_dict())
+            same_state(before[1], b.state_dict())
+        elastic.load_rank_states(a, states, W)
+        assert a.step == 2 and b.step == 0
+        a.close()
+        b.close()
+        shared.free()
+        sub.Free()
+    WORLD.Barrier()
