@@ -297,7 +297,46 @@ def _align8(nbytes: int) -> int:
     return (nbytes + 7) & ~7
 
 
-def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
+def _check_block_fits(j: int, count: int, first: int, last: int, start: int, index_dtype):
+    """ValueError unless block j of :func:`pack_blocks` fits the integer ``index_dtype`` on the
+    wire: its ``count`` (> 0) pairs, and its indices relative to ``start``, which lie between
+    its ``first`` and ``last`` (absolute) index since they are ascending (None: the count
+    only)."""
+    signed, bits = index_dtype.kind == "i", 8 * index_dtype.itemsize
+    lo, hi = -signed << (bits - 1), (1 << (bits - signed)) - 1
+    if count > hi:
+        raise ValueError(
+            f"blocks[{j}] holds {count} pairs, more than index_dtype {index_dtype} can count ({hi})"
+        )
+    if first is None:
+        return
+    first, last = first - start, last - start
+    if first < lo or last > hi:
+        raise ValueError(
+            f"blocks[{j}]: indices relative to start {start} span {first} … {last}, "
+            f"outside the range [{lo}, {hi}] of index_dtype {index_dtype}"
+        )
+
+
+def _check_header_counts(counts: np.ndarray) -> int:
+    """The total of a received header's int64 ``counts``; ValueError if it is negative (checked
+    before the buffer's length, which a negative total cannot match; :func:`_first_negative_count`
+    finds the negative counts that a total of the right length hides)."""
+    total = int(counts.sum())
+    if total < 0:
+        raise ValueError(f"received message's header announces negative counts (total {total})")
+    return total
+
+
+def _first_negative_count(counts: np.ndarray) -> None:
+    """ValueError naming the first negative count of a received header, if any."""
+    negative = np.flatnonzero(counts < 0)
+    if negative.size:
+        c = int(counts[negative[0]])
+        raise ValueError(f"received message's header announces a negative count ({c})")
+
+
+def pack_blocks(blocks, starts, index_dtype, value_dtype, *, device_range_check=True) -> np.ndarray:
     """Pack sparse blocks into one byte buffer: counts, block-relative indices, values.
 
     Parameters
@@ -310,6 +349,11 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
         Wire dtype of counts and indices (int32 or int64).
     value_dtype : numpy dtype
         Wire dtype of the values.
+    device_range_check : bool, default True
+        Whether the indices of device blocks are checked against ``index_dtype``'s range
+        (their first and last, gathered on the device: two kernel launches per block and one
+        transfer). The allreducers pass False: they choose ``index_dtype`` to fit. Counts and
+        host blocks are always checked (no device work).
 
     Returns
     -------
@@ -321,8 +365,8 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
     ------
     ValueError
         If ``blocks`` and ``starts`` differ in length, a block's values are not of its indices'
-        shape, or (host blocks) a block's count or block-relative indices do not fit
-        ``index_dtype`` (they would wrap on the wire).
+        shape, or (``index_dtype`` an integer dtype) a block's count or block-relative indices
+        do not fit ``index_dtype`` (they would wrap on the wire); host and device blocks alike.
 
     Notes
     -----
@@ -330,9 +374,11 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
 
     The checks cost O(number of blocks), never a pass over the data: the range check reads
     each block's first and last index, which bound the block's indices since they are
-    ascending. Device blocks have their shapes checked, not their contents. The allreducers
-    choose ``index_dtype`` with :func:`wire_index_dtype` from their longest block's length (or
-    n), so their indices always fit and never meet this error.
+    ascending. For device blocks those two indices of every non-empty block are gathered on
+    the device into one array and copied to the host at once (one small transfer per call,
+    whatever the number of blocks). The allreducers choose ``index_dtype`` with
+    :func:`wire_index_dtype` from their longest block's length (or n), so their indices always
+    fit: they pack with ``device_range_check=False``, which leaves the device alone.
     """
     index_dtype = np.dtype(index_dtype)
     value_dtype = np.dtype(value_dtype)
@@ -343,14 +389,12 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
                 f"{np.shape(val)}"
             )
     if any(A.is_device(a) for b in blocks for a in b):
-        return _pack_device(blocks, starts, index_dtype, value_dtype)
+        return _pack_device(blocks, starts, index_dtype, value_dtype, device_range_check)
     nb = len(blocks)
     counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
     total = int(counts.sum())
     isz, vsz = index_dtype.itemsize, value_dtype.itemsize
-    # the range of a wire index (that of the integer dtype; another dtype is not checked)
-    checked, signed = index_dtype.kind in "iu", index_dtype.kind == "i"
-    lo, hi = -signed << (8 * isz - 1), (1 << (8 * isz - signed)) - 1
+    checked = index_dtype.kind in "iu"
     head = _align8((nb + total) * isz)
     buf = np.empty(head + total * vsz, dtype=np.uint8)
     buf[(nb + total) * isz : head] = 0  # the padding: no uninitialised bytes on the wire
@@ -361,18 +405,7 @@ def pack_blocks(blocks, starts, index_dtype, value_dtype) -> np.ndarray:
     for j, ((idx, val), start) in enumerate(zip(blocks, starts, strict=True)):
         c = len(idx)
         if c and checked:  # an ascending block lies between its first and last index
-            s0 = int(start)
-            first, last = int(idx[0]) - s0, int(idx[-1]) - s0
-            if c > hi:
-                raise ValueError(
-                    f"blocks[{j}] holds {c} pairs, more than index_dtype {index_dtype} can "
-                    f"count ({hi})"
-                )
-            if first < lo or last > hi:
-                raise ValueError(
-                    f"blocks[{j}]: indices relative to start {s0} span {first} … {last}, "
-                    f"outside the range [{lo}, {hi}] of index_dtype {index_dtype}"
-                )
+            _check_block_fits(j, c, int(idx[0]), int(idx[-1]), int(start), index_dtype)
         if c:
             np.subtract(idx, start, out=ints[nb + pos : nb + pos + c], casting="unsafe")
             vals[pos : pos + c] = val
@@ -435,9 +468,10 @@ def unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype):
     Raises
     ------
     ValueError
-        If the buffer's length is not the one its own header announces, or (host ``buf``) the
-        header announces a negative count (a corrupt or mismatched message); if ``nblocks`` is
-        negative, ``starts`` does not hold ``nblocks`` positions, or a host ``buf`` is not 1-D.
+        If the buffer's length is not the one its own header announces, or the header
+        announces a negative count (a corrupt or mismatched message; host and device ``buf``
+        alike, with the same messages); if ``nblocks`` is negative, ``starts`` does not hold
+        ``nblocks`` positions, or a host ``buf`` is not 1-D.
     TypeError
         If ``nblocks`` is not an integer, ``starts`` not a sequence, or ``buf`` neither a
         uint8 NumPy array nor a device array.
@@ -460,22 +494,19 @@ def unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype):
     if len(buf) < nblocks * isz:
         raise ValueError("received message shorter than its block header")
     counts = buf[: nblocks * isz].view(index_dtype).astype(np.int64)
-    total = int(counts.sum())
-    if total < 0:  # a negative count; the loop below finds those the total hides
-        raise ValueError(f"received message's header announces negative counts (total {total})")
+    total = _check_header_counts(counts)
     head = _align8((nblocks + total) * isz)
     if len(buf) != head + total * vsz:
         raise ValueError(
             f"received message of {len(buf)} bytes, header announces {head + total * vsz}"
         )
+    _first_negative_count(counts)  # the total may still match the buffer's length
     rel = buf[nblocks * isz : (nblocks + total) * isz].view(index_dtype)
     vals = buf[head:].view(value_dtype)
     out = []
     pos = 0
     for b in range(nblocks):
         c = int(counts[b])
-        if c < 0:  # the total may still match the buffer's length
-            raise ValueError(f"received message's header announces a negative count ({c})")
         idx = rel[pos : pos + c].astype(np.int64)
         idx += int(starts[b])
         out.append((idx, vals[pos : pos + c].copy()))
@@ -483,13 +514,20 @@ def unpack_blocks(buf, nblocks, starts, index_dtype, value_dtype):
     return out
 
 
-def _pack_device(blocks, starts, index_dtype, value_dtype):
-    """:func:`pack_blocks` on the device: the same bytes, in one device buffer."""
+def _pack_device(blocks, starts, index_dtype, value_dtype, range_check=True):
+    """:func:`pack_blocks` on the device: the same bytes, in one device buffer, after the same
+    checks (each block's count, and the first and last index of every non-empty block, copied
+    to the host together)."""
     D = A.device_ops()
     isz, vsz = index_dtype.itemsize, value_dtype.itemsize
     nb = len(blocks)
     counts = np.array([int(b[0].shape[0]) for b in blocks], dtype=np.int64)
     total = int(counts.sum())
+    if index_dtype.kind in "iu":
+        ends = _block_ends(D, blocks, counts, range_check)
+        for j, ((first, last), start) in enumerate(zip(ends, starts, strict=True)):
+            if counts[j]:
+                _check_block_fits(j, int(counts[j]), first, last, int(start), index_dtype)
     head = _align8((nb + total) * isz)
     buf = D.empty(head + total * vsz, np.uint8)
     if head > (nb + total) * isz:
@@ -507,6 +545,27 @@ def _pack_device(blocks, starts, index_dtype, value_dtype):
     return buf
 
 
+def _block_ends(D, blocks, counts, device=True) -> list:
+    """``(idx[0], idx[-1])`` of every block (``None, None`` for an empty one, and for a device
+    block unless ``device``) as Python ints: those of the device blocks gathered on the device
+    into one int64 array of two per block (``D.concat`` of one-element views) and copied to the
+    host at once."""
+    parts, ends = [], []
+    for (idx, _), c in zip(blocks, counts.tolist(), strict=True):
+        if not c or (not device and A.is_device(idx)):
+            ends.append((None, None))
+        elif A.is_device(idx):
+            v = D.view(idx)
+            parts += [v[0:1], v[c - 1 : c]]
+            ends.append(None)  # filled in from the gathered array
+        else:
+            ends.append((int(idx[0]), int(idx[-1])))
+    if parts:
+        gathered = iter(D.concat(parts, np.int64).copy_to_host().tolist())
+        ends = [(next(gathered), next(gathered)) if e is None else e for e in ends]
+    return ends
+
+
 def _unpack_device(buf, nblocks, starts, index_dtype, value_dtype):
     """:func:`unpack_blocks` on the device: device (int64 indices, values) per block."""
     D = A.device_ops()
@@ -518,12 +577,13 @@ def _unpack_device(buf, nblocks, starts, index_dtype, value_dtype):
     counts = np.zeros(nblocks, dtype=np.int64)
     if nblocks:
         counts[:] = buf[: nblocks * isz].copy_to_host().view(index_dtype)
-    total = int(counts.sum())
+    total = _check_header_counts(counts)
     head = _align8((nblocks + total) * isz)
     if nbytes != head + total * vsz:
         raise ValueError(
             f"received message of {nbytes} bytes, header announces {head + total * vsz}"
         )
+    _first_negative_count(counts)  # the total may still match the buffer's length
     out = []
     pos = 0
     for b in range(nblocks):
@@ -591,7 +651,8 @@ def pack_wire(blocks, starts, index_dtype, value_dtype, wire="coo", quantise=Tru
     "compact" (the option is checked where the allreducer is built).
     """
     if wire == "coo":
-        return pack_blocks(blocks, starts, index_dtype, value_dtype), [b[1] for b in blocks]
+        buf = pack_blocks(blocks, starts, index_dtype, value_dtype, device_range_check=False)
+        return buf, [b[1] for b in blocks]
     vdt = np.dtype(value_dtype)
     dev = any(A.is_device(a) for b in blocks for a in b)
     counts = np.array([int(b[0].shape[0]) for b in blocks], dtype=np.int64)
@@ -1140,7 +1201,9 @@ class Comm:
             If the incoming message is longer than the capacity ``max_pairs`` gives.
         """
         if wire == "coo":
-            buf = pack_blocks(send_blocks, send_starts, index_dtype, value_dtype)
+            buf = pack_blocks(
+                send_blocks, send_starts, index_dtype, value_dtype, device_range_check=False
+            )
             if sent is not None:
                 sent.extend(b[1] for b in send_blocks)
             cap = packed_capacity(len(recv_starts), max_pairs, index_dtype, value_dtype)
@@ -1313,7 +1376,9 @@ class Comm:
         ValueError
             If a received message does not match its header (:func:`unpack_blocks`).
         """
-        buf = pack_blocks([(indices, values)], [0], index_dtype, values.dtype)
+        buf = pack_blocks(
+            [(indices, values)], [0], index_dtype, values.dtype, device_range_check=False
+        )
         return [
             unpack_blocks(b, 1, [0], index_dtype, values.dtype)[0]
             for b in self.allgatherv_bytes(buf)

@@ -90,7 +90,9 @@ class GTopk(Allreducer):
         """The message (mass word, then the pairs); ``sent`` gets the values as decoded."""
         head = np.array([mass], dtype=_MASS).view(np.uint8)
         if self.wire == "coo":
-            body = pack_blocks([(idx, val)], [0], self.wire_index, val.dtype)
+            body = pack_blocks(
+                [(idx, val)], [0], self.wire_index, val.dtype, device_range_check=False
+            )
             delivered = [val]
         else:
             body, delivered = pack_wire(

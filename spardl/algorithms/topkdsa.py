@@ -173,7 +173,9 @@ class TopkDSA(Allreducer):
             payload = region[1].view(np.uint8)
             dev_payload = dev
         else:
-            payload = pack_blocks([(region[1], region[2])], [int(bounds[r])], idt, vdt)
+            payload = pack_blocks(
+                [(region[1], region[2])], [int(bounds[r])], idt, vdt, device_range_check=False
+            )
             dev_payload = dev
         flag = np.array([region[0]], dtype=np.int64).view(np.uint8)
         buf = A.concat([flag, payload], np.uint8, dev_payload)

@@ -237,6 +237,142 @@ def test_comm_device_messages(comm):
     c.free()
 
 
+# -- pack_blocks / unpack_blocks on the device: the host's checks and messages ----------------
+
+
+def _blocks(host_blocks, on_device):
+    """The blocks with those whose position is in ``on_device`` moved to the device."""
+    return [
+        tuple(cuda.to_device(a) for a in blk) if j in on_device else blk
+        for j, blk in enumerate(host_blocks)
+    ]
+
+
+def _f32(n):
+    return np.arange(n, dtype=np.float32) + 0.5
+
+
+PACK_ERRORS = [
+    # block 1's indices relative to its start 10 span 0 … 2**31: one past int32's range
+    (
+        [(np.array([2, 3]), _f32(2)), (np.array([10, 10 + 2**31]), _f32(2))],
+        [0, 10],
+        np.int32,
+        r"^blocks\[1\]: indices relative to start 10 span 0 … 2147483648, outside the range",
+    ),
+    # below the range: relative -200 … -199 with int8
+    (
+        [(np.array([], np.int64), _f32(0)), (np.array([0, 1]), _f32(2))],
+        [0, 200],
+        np.int8,
+        r"^blocks\[1\]: indices relative to start 200 span -200 … -199, outside the range "
+        r"\[-128, 127\]",
+    ),
+    # 128 pairs, all relative indices 0 … 127 in int8's range, but the count is not
+    (
+        [(np.arange(128), _f32(128))],
+        [0],
+        np.int8,
+        r"^blocks\[0\] holds 128 pairs, more than index_dtype int8 can count \(127\)$",
+    ),
+]
+
+
+@pytest.mark.parametrize("host_blocks,starts,idt,match", PACK_ERRORS)
+def test_device_pack_checks_like_the_host(host_blocks, starts, idt, match):
+    """A count or block-relative index that would wrap on the wire: the device path raises the
+    host's ValueError, word for word (every block on the device, or, with several blocks, only
+    the first or only the last one)."""
+    with pytest.raises(ValueError, match=match) as host:
+        C.pack_blocks(host_blocks, starts, idt, np.float32)
+    n = len(host_blocks)
+    for on_device in [set(range(n))] + ([{0}, {n - 1}] if n > 1 else []):
+        with pytest.raises(ValueError, match=match) as dev:
+            C.pack_blocks(_blocks(host_blocks, on_device), starts, idt, np.float32)
+        assert str(dev.value) == str(host.value)
+
+
+@pytest.mark.parametrize(
+    "counts,match",
+    [
+        # the total, 0, matches the 8-byte buffer: only the per-block check sees the -3
+        ([3, -3], r"^received message's header announces a negative count \(-3\)$"),
+        ([0, -2, 2, -1, 1], r"^received message's header announces a negative count \(-2\)$"),
+        ([-1, 0], r"^received message's header announces negative counts \(total -1\)$"),
+    ],
+)
+def test_device_unpack_refuses_negative_counts_like_the_host(counts, match):
+    nb = len(counts)
+    header = np.array(counts, np.int32).view(np.uint8)
+    buf = np.zeros(-(-header.size // 8) * 8, np.uint8)  # the length a total of 0 announces
+    buf[: header.size] = header
+    with pytest.raises(ValueError, match=match) as host:
+        C.unpack_blocks(buf, nb, [0] * nb, np.int32, np.float32)
+    with pytest.raises(ValueError, match=match) as dev:
+        C.unpack_blocks(cuda.to_device(buf), nb, [0] * nb, np.int32, np.float32)
+    assert str(dev.value) == str(host.value)
+
+
+@pytest.mark.parametrize(
+    "idt,vdt,host_blocks,starts",
+    [
+        # relative indices at both ends of int32's range, an empty block, a repeated start
+        (
+            np.int32,
+            np.float64,
+            [
+                (np.array([7, 7 + 2**31 - 1]), np.array([-0.0, np.nan])),
+                (np.array([], np.int64), np.array([])),
+                (np.array([2**31 + 7]), np.array([np.inf])),
+                (np.array([0, 3, 5]), np.array([1.0, -2.5, 1e-300])),
+            ],
+            [7, 0, 2**32 + 6, 2**31],
+        ),
+        # 127 pairs: as many as int8 can count, relative indices -1 … 125
+        (np.int8, np.float16, [(np.arange(127) + 9, np.linspace(-3, 3, 127))], [10]),
+        (
+            np.int64,
+            np.float32,
+            [(np.array([2**40, 2**41]), np.array([1.5, -0.0])), (np.array([5]), np.array([2.0]))],
+            [0, 5],
+        ),
+    ],
+)
+def test_device_pack_unpack_round_trips_bit_for_bit(monkeypatch, idt, vdt, host_blocks, starts):
+    """Valid messages: the device packs the host's bytes, with one device-to-host copy (the
+    gathered first and last indices) whatever the number of blocks, and each side unpacks what
+    either packed into the same bits."""
+    host_blocks = [(i.astype(np.int64), v.astype(vdt)) for i, v in host_blocks]
+    blocks_d = _blocks(host_blocks, set(range(len(host_blocks))))
+    device_array = type(cuda.to_device(np.zeros(1)))
+    copies = []
+    to_host = device_array.copy_to_host
+
+    def counted(self, *args, **kwargs):
+        copies.append(self.shape)
+        return to_host(self, *args, **kwargs)
+
+    monkeypatch.setattr(device_array, "copy_to_host", counted)
+    packed_d = C.pack_blocks(blocks_d, starts, idt, vdt)
+    assert len(copies) == 1
+    # the allreducers' form (index_dtype chosen to fit): no device work for the check
+    unchecked = C.pack_blocks(blocks_d, starts, idt, vdt, device_range_check=False)
+    assert len(copies) == 1
+    monkeypatch.undo()
+    packed_h = C.pack_blocks(host_blocks, starts, idt, vdt)
+    assert A.is_device(packed_d) and bits(packed_d) == packed_h.tobytes() == bits(unchecked)
+    nb = len(host_blocks)
+    want = C.unpack_blocks(packed_h, nb, starts, idt, vdt)
+    for got in (
+        C.unpack_blocks(packed_d, nb, starts, idt, vdt),
+        C.unpack_blocks(cuda.to_device(packed_h), nb, starts, idt, vdt),
+        C.unpack_blocks(A.to_host(packed_d), nb, starts, idt, vdt),
+    ):
+        for (ih, vh), (i_g, v_g), (i0, v0) in zip(want, got, host_blocks, strict=True):
+            assert bits(i_g) == ih.tobytes() == i0.tobytes()
+            assert bits(v_g) == vh.tobytes() == v0.tobytes()
+
+
 def test_cuda_aware_detection_is_documented_and_forced(monkeypatch):
     C._detect_cuda_aware.cache_clear()
     monkeypatch.setenv("SPARDL_CUDA_AWARE", "1")
