@@ -3,35 +3,138 @@
 >>> import spardl
 >>> ar = spardl.make("spardl", comm, n, density=0.01)      # doctest: +SKIP
 >>> out = ar(grad)                                           # doctest: +SKIP
+
+``import spardl`` is light: the algorithms, :class:`~spardl.comm.Comm` and
+:class:`SparseResult` (and with them ``mpi4py.MPI``, whose import initialises MPI in the
+process) are imported on first use of one of their names (PEP 562), so the command line, the
+emulated-cluster launcher (:mod:`spardl.cluster`) and ``spardl --help`` run without MPI.
+``from spardl import make, Comm`` and ``spardl.ALGORITHMS`` work as with eager imports.
 """
 
 from __future__ import annotations
 
-from .algorithms import Allreducer, NonFiniteError
-from .algorithms.auto import Auto
-from .algorithms.base import collective_check
-from .algorithms.dense import Dense
-from .algorithms.gaussiank import Gaussiank
-from .algorithms.gtopk import GTopk
-from .algorithms.oktopk import OkTopk
-from .algorithms.spardl import SparDL
-from .algorithms.topka import TopkA
-from .algorithms.topkdsa import TopkDSA
-from .comm import Comm, abort_on_exception, name_hash
-from .result import SparseResult
+import importlib
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .algorithms import Allreducer
 
 __version__ = "0.1.0"
 
-#: Algorithm name -> class. Every class takes (comm, n, **options); see :func:`make`.
-ALGORITHMS: dict[str, type[Allreducer]] = {
-    "dense": Dense,
-    "topka": TopkA,
-    "gaussiank": Gaussiank,
-    "topkdsa": TopkDSA,
-    "gtopk": GTopk,
-    "spardl": SparDL,
-    "oktopk": OkTopk,
-}
+#: The keys of :data:`ALGORITHMS`, in its order, known without importing the algorithms (and
+#: MPI with them): what a command line offers as choices.
+ALGORITHM_NAMES: tuple[str, ...] = (
+    "dense",
+    "topka",
+    "gaussiank",
+    "topkdsa",
+    "gtopk",
+    "spardl",
+    "oktopk",
+)
+
+#: The names imported on first use (:func:`_load`), mpi4py.MPI with them: the public ones, the
+#: algorithm classes, ``collective_check`` and ``name_hash``. ``ALGORITHMS`` is algorithm
+#: name -> class; every class takes (comm, n, **options), see :func:`make`.
+_DEFERRED = frozenset(
+    {
+        "ALGORITHMS",
+        "Allreducer",
+        "Auto",
+        "Comm",
+        "Dense",
+        "GTopk",
+        "Gaussiank",
+        "NonFiniteError",
+        "OkTopk",
+        "SparDL",
+        "SparseResult",
+        "TopkA",
+        "TopkDSA",
+        "abort_on_exception",
+        "collective_check",
+        "name_hash",
+    }
+)
+#: Submodules that ``spardl.<name>`` reaches without an import of its own: each is imported on
+#: first use, alone.
+_DEFERRED_MODULES = frozenset(
+    {
+        "_arrays",
+        "_checks",
+        "algorithms",
+        "comm",
+        "cost_model",
+        "dtypes",
+        "result",
+        "schedules",
+        "selection",
+    }
+)
+# Two threads that ask for a deferred name at once: the second waits, then finds it bound.
+# Reentrant: a module imported by _load that asked for such a name at import would fail as a
+# circular import (an ImportError), not wait for itself.
+_lock = threading.RLock()
+
+
+def _load() -> None:
+    """Import the algorithms, Comm and SparseResult (mpi4py.MPI with them) and bind their
+    names in this module, once."""
+    with _lock:
+        if "ALGORITHMS" in globals():
+            return
+        from .algorithms import Allreducer, NonFiniteError
+        from .algorithms.auto import Auto
+        from .algorithms.base import collective_check
+        from .algorithms.dense import Dense
+        from .algorithms.gaussiank import Gaussiank
+        from .algorithms.gtopk import GTopk
+        from .algorithms.oktopk import OkTopk
+        from .algorithms.spardl import SparDL
+        from .algorithms.topka import TopkA
+        from .algorithms.topkdsa import TopkDSA
+        from .comm import Comm, abort_on_exception, name_hash
+        from .result import SparseResult
+
+        classes = (Dense, TopkA, Gaussiank, TopkDSA, GTopk, SparDL, OkTopk)
+        algorithms: dict[str, type[Allreducer]] = {c.name: c for c in classes}
+        globals().update(
+            Allreducer=Allreducer,
+            NonFiniteError=NonFiniteError,
+            Auto=Auto,
+            collective_check=collective_check,
+            Dense=Dense,
+            Gaussiank=Gaussiank,
+            GTopk=GTopk,
+            OkTopk=OkTopk,
+            SparDL=SparDL,
+            TopkA=TopkA,
+            TopkDSA=TopkDSA,
+            Comm=Comm,
+            abort_on_exception=abort_on_exception,
+            name_hash=name_hash,
+            SparseResult=SparseResult,
+        )
+        globals()["ALGORITHMS"] = algorithms  # last: it marks every name above as bound
+
+
+def __getattr__(name: str):
+    """The names of :data:`_DEFERRED` and the submodules of :data:`_DEFERRED_MODULES`,
+    imported on first use (PEP 562)."""
+    if name in _DEFERRED:
+        _load()
+        return globals()[name]
+    if name in _DEFERRED_MODULES:
+        # Also how a submodule's own ``from .. import _arrays`` reaches a sibling not yet
+        # imported, in the middle of an import of the package: only that module is imported.
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names, with those imported on first use."""
+    return sorted(set(globals()) | _DEFERRED | _DEFERRED_MODULES)
 
 
 def make(algorithm: str, comm, n: int, **options) -> Allreducer:
@@ -67,6 +170,11 @@ def make(algorithm: str, comm, n: int, **options) -> Allreducer:
         On every rank, if the algorithm is unknown, an argument is invalid on any rank, or the
         ranks disagree (different n, density, algorithm or options).
     """
+    from . import ALGORITHMS
+    from .algorithms.auto import Auto
+    from .algorithms.base import collective_check
+    from .comm import Comm, name_hash
+
     cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
     if algorithm == "auto":
         cls = Auto
@@ -91,6 +199,7 @@ def make(algorithm: str, comm, n: int, **options) -> Allreducer:
 
 __all__ = [
     "ALGORITHMS",
+    "ALGORITHM_NAMES",
     "Allreducer",
     "Comm",
     "abort_on_exception",

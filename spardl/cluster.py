@@ -21,13 +21,15 @@ per-run prefix (``spardl-<pid>-<tag>``) so two runs never collide. Everything a 
 removed when it ends, also on an exception, Ctrl-C or a timeout; a janitor process removes it if
 the launcher itself is killed, and :func:`sweep` removes what runs killed in other ways left.
 
-Latency: ``tc netem`` adds delay where the kernel has it; where it does not, asking for a latency
-is an error, and :func:`measure_latency` reports what the links give.
+Latency: ``tc netem`` adds delay where the kernel has it; where it does not (:func:`has_netem`),
+asking for a latency is an error, raised before anything is created, and :func:`measure_latency`
+reports what the links give.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import secrets
@@ -69,10 +71,19 @@ TCP_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"}
 _PREFIX_RE = re.compile(r"^spardl-(\d+)-([0-9a-f]{6})-")
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
+#: The folder that holds this package (the janitor imports it from there).
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 
 class ClusterError(RuntimeError):
     """The cluster could not be created or used (privileges, tools, kernel features)."""
+
+
+#: Why a latency is refused where :func:`has_netem` is False.
+NETEM_MISSING = (
+    "an added latency needs the netem qdisc, which this kernel does not have (links keep "
+    "their own latency; measure it with spardl.cluster.measure_latency or spardl bench pingpong)"
+)
 
 
 # -- units ---------------------------------------------------------------------------------------
@@ -108,7 +119,7 @@ _TIME_UNITS = {
     "usecs": 1e-6,
     "": 1e-6,  # tc reads a bare number as microseconds
 }
-_NUM_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_NUM_UNIT = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_rate(text: str) -> float:
@@ -129,7 +140,8 @@ def parse_rate(text: str) -> float:
     Raises
     ------
     ValueError
-        If ``text`` is not a rate in that syntax and range.
+        If ``text`` is not a rate in that syntax and range (a negative or zero rate: "rate must
+        be positive").
     """
     m = _NUM_UNIT.match(str(text))
     unit = m.group(2).lower() if m else None
@@ -138,6 +150,8 @@ def parse_rate(text: str) -> float:
             f"rate must be a number with a tc unit (e.g. 1gbit, 100mbit, 10gbit), got {text!r}"
         )
     value = float(m.group(1)) * _RATE_UNITS[unit or "bit"]
+    if value <= 0:
+        raise ValueError(f"rate must be positive (e.g. 1gbit, 100mbit), got {text!r}")
     if not MIN_RATE <= value <= MAX_RATE:
         raise ValueError(
             f"rate must be between 1mbit and 100gbit (tc syntax, e.g. 1gbit), got {text!r}"
@@ -149,15 +163,31 @@ def parse_time(text: str) -> float:
     """A time in ``tc`` syntax (``50us``, ``1ms``, ``0.5s``; a bare number is microseconds),
     in seconds.
 
+    Parameters
+    ----------
+    text : str
+        A number and a unit: ``s`` (``sec``, ``secs``), ``ms`` (``msec``, ``msecs``), ``us``
+        (``usec``, ``usecs``) or none (microseconds). Case does not matter.
+
+    Returns
+    -------
+    float
+        Seconds, finite and >= 0.
+
     Raises
     ------
     ValueError
-        If ``text`` is not a non-negative time in that syntax.
+        If ``text`` is not a non-negative, finite time in that syntax.
     """
     m = _NUM_UNIT.match(str(text))
     if not m or m.group(2).lower() not in _TIME_UNITS:
         raise ValueError(f"time must be a number with a tc unit (e.g. 50us, 1ms), got {text!r}")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2).lower()]
+    value = float(m.group(1)) * _TIME_UNITS[m.group(2).lower()]
+    if value < 0 or m.group(1).startswith("-"):
+        raise ValueError(f"time must not be negative (e.g. 50us, 1ms), got {text!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"time must be finite (e.g. 50us, 1ms), got {text!r}")
+    return value
 
 
 #: The bytes of the largest Ethernet frame the links carry (MTU 1500 and its 14-byte header).
@@ -324,11 +354,11 @@ def check() -> CheckResult:
             _run(["ip", "link", "add", "c0", "netns", ns, "type", *veth])
             _in_ns(ns, ["tc", "qdisc", "add", "dev", "c0", "root", *_tbf_args(1e9)])
             rows.append(("namespaces, veth, tbf", True, "created and removed a scratch node"))
-            netem_cmd = ["tc", "qdisc", "add", "dev", "c1", "root", "netem", "delay", "1ms"]
-            netem = _in_ns(ns, netem_cmd, check=False).returncode == 0
-            netem_tried = True
         except (ClusterError, subprocess.TimeoutExpired) as e:
             rows.append(("namespaces, veth, tbf", False, str(e)))
+        else:
+            with contextlib.suppress(ClusterError):  # a probe that cannot run: not checked
+                netem, netem_tried = has_netem(), True
         finally:
             if ns in _namespaces():
                 _remove_namespaces([ns])
@@ -377,7 +407,9 @@ class Cluster:
     bandwidth : str, default "1gbit"
         Each node's link rate in ``tc`` syntax, applied in both directions.
     latency : str, optional
-        Added one-way delay in ``tc`` syntax (``50us``); needs the ``netem`` qdisc.
+        Added one-way delay in ``tc`` syntax (``50us``); needs the ``netem`` qdisc
+        (:func:`has_netem`; without it, entering the ``with`` block raises ClusterError before
+        anything is created).
     env : dict, optional
         Extra environment for the MPI job (on top of :data:`TCP_ENV`).
 
@@ -388,7 +420,8 @@ class Cluster:
     ValueError
         For an argument out of range or malformed (named).
     ClusterError
-        On entry, if the machine cannot create the cluster (see :func:`check`).
+        On entry, before anything is created, if the machine cannot create the cluster (see
+        :func:`check`), or ``latency`` is given and the kernel lacks netem.
 
     Examples
     --------
@@ -409,9 +442,15 @@ class Cluster:
         self.nodes = nodes
         self.ranks_per_node = ranks_per_node
         self.bandwidth = str(bandwidth)
-        self.rate_bps = parse_rate(bandwidth)
+        try:
+            self.rate_bps = parse_rate(bandwidth)
+        except ValueError as e:
+            raise ValueError(f"bandwidth: {e}") from None
         self.latency = None if latency is None else str(latency)
-        self.latency_s = None if latency is None else parse_time(latency)
+        try:
+            self.latency_s = None if latency is None else parse_time(latency)
+        except ValueError as e:
+            raise ValueError(f"latency: {e}") from None
         self.env = dict(env or {})
         self.prefix = f"spardl-{os.getpid()}-{secrets.token_hex(3)}"
         self.switch = f"{self.prefix}-sw"
@@ -439,11 +478,13 @@ class Cluster:
         found = check_quick()
         if found:
             raise ClusterError(found)
+        if self.latency_s and not has_netem():  # before anything exists
+            raise ClusterError(f"latency={self.latency!r}: {NETEM_MISSING}")
         sweep()
         self._tmp = tempfile.mkdtemp(prefix=self.prefix + "-")
         # The janitor removes everything if this process dies without cleaning up (SIGKILL).
         self._janitor = subprocess.Popen(
-            [sys.executable, "-c", _JANITOR, self.prefix, self._tmp, str(Path(__file__).parent)],
+            [sys.executable, "-c", _JANITOR, self.prefix, self._tmp, _PACKAGE_PARENT],
             stdin=subprocess.PIPE,
             start_new_session=True,
         )
@@ -483,11 +524,7 @@ class Cluster:
                         check=False,
                     )
                     if proc.returncode != 0:
-                        raise ClusterError(
-                            "latency needs the netem qdisc, which this kernel does not have "
-                            "(links keep their own latency; measure it with "
-                            "spardl.cluster.measure_latency or spardl bench pingpong)"
-                        )
+                        raise ClusterError(f"latency={self.latency!r}: {NETEM_MISSING}")
         shim = Path(self._tmp) / "launch-node"
         cases = "\n".join(
             f"  {addr}) ns={ns}; name={ns} ;;"
@@ -655,6 +692,47 @@ def check_quick() -> str | None:
     return None
 
 
+#: What :func:`has_netem`'s probe exits with when the qdisc was refused (not tc's own codes, nor
+#: unshare's 1).
+_NO_NETEM = 97
+
+
+def has_netem() -> bool:
+    """Whether this kernel has the ``netem`` qdisc, which a cluster's ``latency`` needs.
+
+    Tried as a run would use it: ``tc qdisc add ... netem delay 1ms`` on the loopback of a
+    network namespace of the probe's own (``unshare --net``: it has no name, nothing else in it,
+    and goes when the probe exits, also if this process is killed), in a few milliseconds.
+    Needs what :func:`check_quick` checks (root, or CAP_NET_ADMIN and CAP_SYS_ADMIN, and
+    ``tc`` and ``unshare``).
+
+    Returns
+    -------
+    bool
+        True if the qdisc was created, False if ``tc`` refused it.
+
+    Raises
+    ------
+    ClusterError
+        If the probe could not run (no namespace could be created).
+    """
+    # The qdisc itself is tried, not a list of modules: netem may be built in (absent from
+    # /proc/modules and the module tree), a module that the kernel loads on demand (present in
+    # /lib/modules/$(uname -r), which a container often lacks), or a module file a kernel that
+    # forbids module loading cannot use (modprobe -n still finds it). Only the kernel knows.
+    probe = f"tc qdisc add dev lo root netem delay 1ms || exit {_NO_NETEM}"
+    try:
+        proc = _run(["unshare", "--net", "--", "/bin/sh", "-c", probe], check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ClusterError(f"cannot probe for the netem qdisc: {e}") from None
+    if proc.returncode not in (0, _NO_NETEM):
+        msg = (proc.stderr or proc.stdout).strip().splitlines()
+        raise ClusterError(
+            f"cannot probe for the netem qdisc: {msg[-1] if msg else f'exit {proc.returncode}'}"
+        )
+    return proc.returncode == 0
+
+
 def _janitor_main(prefix: str, tmp: str) -> None:
     """The janitor of one run, in its own session: waits until the launcher's pipe closes
     (the run ended, or the launcher died without cleaning up), then removes every namespace of
@@ -665,11 +743,11 @@ def _janitor_main(prefix: str, tmp: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-# The package is stood in for by an empty module of the same path: its __init__ would import
-# mpi4py and start MPI, seconds of start-up that the last-resort cleanup must not depend on.
+# The janitor imports this module from the launcher's copy of the package (its parent folder
+# first on sys.path, whatever the current folder holds). The package's import is light (MPI is
+# imported with the algorithms, on first use): the last-resort cleanup never starts MPI.
 _JANITOR = (
-    "import sys, types; pkg = types.ModuleType('spardl'); pkg.__path__ = [sys.argv[3]]; "
-    "sys.modules['spardl'] = pkg; "
+    "import sys; sys.path.insert(0, sys.argv[3]); "
     "from spardl.cluster import _janitor_main; _janitor_main(*sys.argv[1:3])"
 )
 

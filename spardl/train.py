@@ -137,7 +137,7 @@ def add_arguments(p) -> None:
 
 def _add_reduction_options(p) -> None:
     """--task, --algorithm, --density, --teams, --residual."""
-    from . import ALGORITHMS
+    from . import ALGORITHM_NAMES
 
     d = DEFAULTS
     p.add_argument(
@@ -149,7 +149,7 @@ def _add_reduction_options(p) -> None:
     )
     p.add_argument(
         "--algorithm",
-        choices=[*sorted(ALGORITHMS), "auto"],
+        choices=[*sorted(ALGORITHM_NAMES), "auto"],
         default=d["algorithm"],
         help="allreduce algorithm; auto: the one predicted fastest, chosen again as it runs "
         "(docs/design.md §12) (default: %(default)s)",

@@ -74,6 +74,32 @@ def test_parse_time(text, s):
     assert cluster.parse_time(text) == pytest.approx(s)
 
 
+@pytest.mark.parametrize(
+    "parse, text, says",
+    [
+        (cluster.parse_rate, "-1mbit", "rate must be positive"),
+        (cluster.parse_rate, "-.5gbit", "rate must be positive"),
+        (cluster.parse_rate, "0gbit", "rate must be positive"),
+        (cluster.parse_time, "-1ms", "time must not be negative"),
+        (cluster.parse_time, "-0", "time must not be negative"),
+        (cluster.parse_time, "1e400s", "time must be finite"),
+    ],
+)
+def test_negative_rates_and_times_say_so(parse, text, says):
+    """A negative rate was "must be a number with a tc unit", as if the sign were the error."""
+    with pytest.raises(ValueError, match=says):
+        parse(text)
+
+
+def test_cluster_names_a_malformed_rate_or_time():
+    with pytest.raises(ValueError, match="^bandwidth: rate must be positive"):
+        cluster.Cluster(2, bandwidth="-1mbit")
+    with pytest.raises(ValueError, match="^latency: time must not be negative"):
+        cluster.Cluster(2, latency="-1ms")
+    with pytest.raises(ValueError, match="^latency: time must be a number"):
+        cluster.Cluster(2, latency="soon")
+
+
 def test_cluster_arguments_are_checked():
     with pytest.raises(ValueError, match="nodes"):
         cluster.Cluster(0)
@@ -83,6 +109,10 @@ def test_cluster_arguments_are_checked():
         cluster.Cluster(2, ranks_per_node=1.5)
     with pytest.raises(ValueError, match="rate"):
         cluster.Cluster(2, bandwidth="lots")
+
+
+NEGATIVE_RATE = "argument --bandwidth: rate must be positive"
+NEGATIVE_TIME = "argument --latency: time must not be negative"
 
 
 @pytest.mark.parametrize(
@@ -106,6 +136,13 @@ def test_cluster_arguments_are_checked():
         # Found out by MPI's launcher once per node, in its words, after the cluster was built.
         (["run", "--nodes", "2", "--", "nosuchprogram_xyz"], "no program 'nosuchprogram_xyz'"),
         (["run", "--nodes", "2", "--", "/nonexistent/prog"], "no program '/nonexistent/prog'"),
+        # argparse took "-1mbit" for an option: "--bandwidth: expected one argument".
+        (["run", "-N", "2", "--bandwidth", "-1mbit", "--", "true"], NEGATIVE_RATE),
+        (["run", "-N", "2", "--bandwidth=-1mbit", "--", "true"], NEGATIVE_RATE),
+        (["run", "-N", "2", "--bandwidth", "-.5gbit", "--", "true"], NEGATIVE_RATE),
+        (["run", "-N", "2", "--latency", "-1ms", "--", "true"], NEGATIVE_TIME),
+        (["run", "-N", "2", "--latency=-1ms", "--", "true"], NEGATIVE_TIME),
+        (["run", "-N", "2", "--timeout", "-1e3", "--", "true"], "--timeout: must be a finite"),
     ],
 )
 def test_usage_errors_are_one_line_status_2(args, says):
@@ -113,6 +150,22 @@ def test_usage_errors_are_one_line_status_2(args, says):
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_cluster_parser_alone_parses_as_the_whole_one():
+    """``spardl cluster ...`` builds the cluster parser alone (the others import MPI): its help
+    is that of the whole parser, and a top-level --help before it still lists every command."""
+    from spardl.cli import build_parser
+
+    whole = build_parser()._subparsers._group_actions[0].choices["cluster"].format_help()
+    proc = subprocess.run(
+        [*SPARDL, "cluster", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stdout == whole, proc.stderr
+    proc = subprocess.run(
+        [*SPARDL, "--help", "cluster"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "train" in proc.stdout and "cluster" in proc.stdout
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop privileges")
@@ -259,9 +312,9 @@ def test_the_janitor_starts_no_mpi(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     probe = cluster._JANITOR + "; print(sorted(m for m in sys.modules if 'mpi4py' in m))"
-    pkg = str(Path(cluster.__file__).parent)
     proc = subprocess.run(
-        [sys.executable, "-c", probe, "spardl-0-none", str(scratch), pkg],
+        [sys.executable, "-c", probe, "spardl-0-none", str(scratch), cluster._PACKAGE_PARENT],
+        cwd=tmp_path,  # the package is found by the folder given, not by the current one
         input="",
         capture_output=True,
         text=True,
@@ -270,6 +323,98 @@ def test_the_janitor_starts_no_mpi(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
     assert not scratch.exists()  # its work: the run's scratch folder removed
+
+
+def _tools_without_netem(folder: Path) -> dict[str, str]:
+    """An environment whose ``tc`` refuses the netem qdisc, as a kernel without it does, and
+    whose ``ip`` writes each of its command lines to ``folder/ip.log``; both run the real tools
+    otherwise (this machine's kernel may or may not have netem)."""
+    real_tc, real_ip = shutil.which("tc"), shutil.which("ip")
+    tc, ip = folder / "tc", folder / "ip"
+    tc.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" netem "*) echo "Error: Specified qdisc kind is unknown." >&2; '
+        "exit 2 ;; esac\n"
+        f'exec {real_tc} "$@"\n'
+    )
+    ip.write_text(f'#!/bin/sh\necho "$*" >> {folder / "ip.log"}\nexec {real_ip} "$@"\n')
+    tc.chmod(0o755)
+    ip.chmod(0o755)
+    return dict(os.environ, PATH=f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def _namespaces_added(folder: Path) -> list[str]:
+    log = folder / "ip.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [line for line in lines if line.startswith("netns add")]
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_has_netem_asks_the_kernel_and_leaves_nothing(tmp_path):
+    """The probe tries the qdisc itself (a tc that refuses it gives False) in a namespace that
+    no ``ip netns`` command sees or has to remove."""
+    before = cluster._namespaces()
+    probe = [sys.executable, "-c", "from spardl import cluster; print(cluster.has_netem())"]
+    env = _tools_without_netem(tmp_path)
+    proc = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+    # A tc that accepts the qdisc (and sets up nothing): True.
+    (tmp_path / "tc").write_text("#!/bin/sh\nexit 0\n")
+    proc = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "True", proc.stderr
+    assert _namespaces_added(tmp_path) == []
+    assert cluster._namespaces() == before
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_latency_without_netem_is_refused_before_anything_is_built(tmp_path):
+    """``--latency`` on a kernel without netem: a usage error naming the option, found before
+    the first namespace (the cluster was built, then refused, then removed)."""
+    env = _tools_without_netem(tmp_path)
+    proc = _cluster_cli(["run", "--nodes", "2", "--latency", "1ms", "--", "true"], env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--latency" in lines[0] and "netem" in lines[0], proc.stderr
+    assert _namespaces_added(tmp_path) == []
+    # A latency of 0 adds no qdisc: it needs no netem, and the run goes on.
+    proc = _cluster_cli(["run", "-q", "--nodes", "1", "--latency", "0", "--", "true"], env=env)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_the_python_api_refuses_a_latency_before_building(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", _tools_without_netem(tmp_path)["PATH"])
+    c = cluster.Cluster(2, latency="1ms")
+    with pytest.raises(cluster.ClusterError, match="^latency='1ms': .*netem"), c:
+        pytest.fail("the cluster was created")
+    assert _namespaces_added(tmp_path) == []
+    assert not [ns for ns in cluster._namespaces() if ns.startswith(c.prefix)]
+
+
+@pytest.mark.cluster
+@needs_cluster
+def test_the_launcher_starts_mpiexec_without_mpi(tmp_path):
+    """``spardl cluster run`` is a launcher (root, outside mpiexec): up to starting mpiexec it
+    imported mpi4py.MPI, which initialises MPI, because ``import spardl`` did."""
+    script = (
+        "import subprocess, sys\n"
+        "from spardl import cluster\n"
+        "from spardl.cli import main\n"
+        "def run(self, command, timeout=None, **kw):\n"
+        "    print('MPI' if 'mpi4py.MPI' in sys.modules else 'no MPI')\n"
+        "    return subprocess.CompletedProcess(command, 0)\n"
+        "cluster.Cluster.run = run\n"
+        "sys.exit(main(['cluster', 'run', '-q', '--nodes', '1', '--', 'true']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "no MPI"
 
 
 @pytest.mark.cluster

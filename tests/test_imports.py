@@ -16,6 +16,8 @@ cycles this test is after still show.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,3 +278,85 @@ def test_the_mpi4py_check_sees_uses_and_imports():
     assert _mpi4py_uses("spardl.comm")[0] and "Status" in _mpi4py_uses("spardl.comm")[1]
     lines, used = _mpi4py_uses("spardl.cli.info")
     assert lines and "Get_library_version" in used and "__version__" in used
+
+
+# -- what importing costs -------------------------------------------------------------------------
+# Each in a fresh interpreter: this one has imported MPI already. mpi4py.MPI initialises MPI when
+# imported, which a process that only parses options, prints help or launches mpiexec must not.
+
+
+def _fresh(code: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+_MPI_LOADED = "print('mpi4py.MPI' in sys.modules)"
+
+
+def test_import_spardl_does_not_import_mpi():
+    assert _fresh("import spardl, sys; " + _MPI_LOADED) == "False"
+
+
+def test_the_cluster_command_line_does_not_import_mpi():
+    """``spardl cluster`` (its help, and ``run`` up to the point where it needs root) and the
+    checks of its options: the launcher runs outside mpiexec and starts mpiexec itself."""
+    code = (
+        "import sys\n"
+        "from spardl.cli import main\n"
+        "for argv in (['cluster', '--help'], ['cluster', 'run', '--help'],\n"
+        "             ['cluster', 'run', '-N', '2', '--bandwidth', '-1mbit', '--', 'true']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "status = main(['cluster', 'run', '-N', '2', '--latency', '1ms', '--', 'nosuchprog_q'])\n"
+        "print(status, 'mpi4py.MPI' in sys.modules)\n"
+    )
+    assert _fresh(code).splitlines()[-1] == "2 False"
+
+
+def test_spardl_help_does_not_import_mpi():
+    code = (
+        "import contextlib, sys\n"
+        "from spardl.cli import main\n"
+        "with contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n" + _MPI_LOADED
+    )
+    assert _fresh(code).splitlines()[-1] == "False"
+
+
+def test_the_public_names_load_on_first_use():
+    code = (
+        "import sys\n"
+        "import spardl\n"
+        "assert set(spardl.__all__) <= set(dir(spardl)), dir(spardl)\n"
+        "from spardl import make, Comm, SparseResult, NonFiniteError, Allreducer\n"
+        "from spardl import abort_on_exception\n"
+        "assert spardl.ALGORITHMS is spardl.ALGORITHMS and type(spardl.ALGORITHMS) is dict\n"
+        "assert spardl.ALGORITHMS['spardl'] is spardl.SparDL\n"
+        "assert issubclass(spardl.ALGORITHMS['dense'], Allreducer)\n"
+        "assert spardl.comm.Comm is Comm and spardl.cost_model.__name__ == 'spardl.cost_model'\n"
+        "assert not hasattr(spardl, 'no_such_name')\n"
+        "print(sorted(spardl.ALGORITHMS), 'mpi4py.MPI' in sys.modules)\n"
+    )
+    algorithms = ["dense", "gaussiank", "gtopk", "oktopk", "spardl", "topka", "topkdsa"]
+    assert _fresh(code) == f"{algorithms} True"
+
+
+def test_a_submodule_imported_first_loads_without_a_cycle():
+    """``import spardl.algorithms.oktopk`` before any name of the package: its modules ask the
+    package for their siblings (``from .. import _arrays``) while it is being imported."""
+    code = (
+        "import spardl.algorithms.oktopk as m, spardl\n"
+        "print(spardl.ALGORITHMS['oktopk'] is m.OkTopk)\n"
+    )
+    assert _fresh(code) == "True"
+
+
+def test_the_algorithm_names_known_without_mpi_are_the_keys_of_algorithms():
+    import spardl
+
+    assert spardl.ALGORITHM_NAMES == tuple(spardl.ALGORITHMS)

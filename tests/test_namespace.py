@@ -44,6 +44,7 @@ def test_spardl_all_is_exactly_the_public_surface():
     assert sorted(spardl.__all__) == sorted(
         [
             "ALGORITHMS",
+            "ALGORITHM_NAMES",
             "Allreducer",
             "Comm",
             "abort_on_exception",

@@ -99,7 +99,8 @@ def add_cluster(sub) -> None:
         "--latency",
         type=time_type,
         default=None,
-        help="added one-way delay, tc syntax (50us, 1ms); needs the netem qdisc",
+        help="added one-way delay, tc syntax (50us, 1ms); needs the netem qdisc (refused, "
+        "before anything is created, where the kernel lacks it)",
     )
     r.add_argument("--timeout", type=POSITIVE_FLOAT, default=None, help="seconds; exit 124")
     r.add_argument(
@@ -152,7 +153,15 @@ def _on_sigterm(signum, frame):
 
 
 def _cmd_run(args) -> int:
-    from ..cluster import Cluster, ClusterError, check_quick, measure_latency
+    from ..cluster import (
+        NETEM_MISSING,
+        Cluster,
+        ClusterError,
+        check_quick,
+        has_netem,
+        measure_latency,
+        parse_time,
+    )
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -169,6 +178,15 @@ def _cmd_run(args) -> int:
     problem = check_quick()
     if problem:
         return _error(problem)
+    if args.latency is not None and parse_time(args.latency) > 0:
+        # Probed here, before any namespace exists (a namespace of the probe's own, gone when
+        # it exits): the cluster would otherwise be built only to be refused.
+        try:
+            netem = has_netem()
+        except ClusterError as e:
+            return _error(f"--latency: {e}")
+        if not netem:
+            return _error(f"--latency {args.latency}: {NETEM_MISSING}")
     # SIGHUP (a closed terminal or SSH session) ends the run as SIGTERM does, with everything
     # removed. Set here, after the imports: MPI's libraries may install their own handler.
     previous = {sig: signal.signal(sig, _on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}

@@ -2,9 +2,9 @@
 parser that reports a usage error once under ``mpiexec``, and the collective runner.
 
 Kept free of the subcommands (they import it, never the other way) and light: argparse, os,
-tempfile and pathlib at import, mpi4py only when a collective runs, matplotlib only when a plot
-path is checked. The bench scripts load this file by its path, without importing ``spardl``
-(which initialises MPI): nothing here may import relative to the package at module level.
+re, tempfile and pathlib at import, mpi4py only when a collective runs, matplotlib only when a
+plot path is checked. The bench scripts load this file by its path, without importing
+``spardl``: nothing here may import relative to the package at module level.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +36,10 @@ __all__ = [
     "Parser",
     "run_collective",
 ]
+
+
+#: What :class:`Parser` takes for a value, not an option, at the start of an argument.
+_NEGATIVE_NUMBER = re.compile(r"-\.?\d")
 
 
 class UsageError(ValueError):
@@ -187,7 +192,25 @@ def launcher_rank() -> int | None:
 
 class Parser(argparse.ArgumentParser):
     """argparse, but under an MPI launcher a usage error is one line, printed by rank 0 only
-    (every rank still exits with status 2 before MPI is used)."""
+    (every rank still exits with status 2 before MPI is used).
+
+    And an argument that starts with ``-`` and a digit (``-1mbit``, ``-1e3``, ``-.5``) is a
+    value, for the option's type to judge: argparse before Python 3.13 takes it for an option
+    unless it is a plain negative number, so ``--bandwidth -1mbit`` was "expected one argument"
+    instead of the option's own message ("rate must be positive"). The rule is the one later
+    versions of argparse apply; like theirs, it holds while no option of the parser looks like
+    a negative number, and none of ours does. Subparsers are of this class too (argparse makes
+    them of the parent parser's class).
+    """
+
+    # argparse's __init__ assigns its own rule to this attribute; the property keeps this one.
+    @property
+    def _negative_number_matcher(self):
+        return _NEGATIVE_NUMBER
+
+    @_negative_number_matcher.setter
+    def _negative_number_matcher(self, value):
+        pass
 
     def error(self, message):
         rank = launcher_rank()
