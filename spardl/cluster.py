@@ -50,6 +50,7 @@ __all__ = [
     "ClusterError",
     "CheckResult",
     "check",
+    "has_netem",
     "measure_latency",
     "node_counters",
     "parse_rate",
