@@ -852,7 +852,11 @@ class _Core:
     def allreducer(self, dense: bool):
         if dense:
             if self.dense is None:
-                self.dense = make("dense", self.comm, self.n, op=self.options.get("op", "mean"))
+                # The warm-up's steps judge a non-finite gradient as the sparse ones do.
+                same = {k: self.options[k] for k in ("nonfinite", "check") if k in self.options}
+                self.dense = make(
+                    "dense", self.comm, self.n, op=self.options.get("op", "mean"), **same
+                )
             return self.dense
         if self.sparse is None:
             _announce_compile(self.comm.rank)
@@ -883,7 +887,7 @@ class _Core:
                     raise
         return self.sparse
 
-    def run(self, unused) -> object:
+    def run(self, unused, undo: list | None = None) -> object:
         """Reduce ``self.flat`` in place; the slices ``unused`` (no rank used those parameters,
         their result is discarded) keep their residual (and velocity) as they were.
 
@@ -895,7 +899,20 @@ class _Core:
 
         With the techniques of :class:`_Techniques`, in this order: the density of this step
         (warm-up schedule), local clipping of the gradient, the velocity u ← m·u + g (which
-        becomes the allreducer's input), the allreduce, and factor masking of u."""
+        becomes the allreducer's input), the allreduce, and factor masking of u.
+
+        Parameters
+        ----------
+        unused : list of (int, int)
+            The slices of ``flat`` that no rank used.
+        undo : list, optional
+            When the step is applied, ``(holder, kept, folded)`` is appended to it if the step
+            wrote into the residual it started from (set aside, folded into a dense part):
+            with the allreducer's snapshot from before the step, :meth:`_unstep` puts that
+            residual back as it was (overlap mode: an iteration is undone when a later bucket
+            of it fails). A step replaces its residual, never writes into it, so these slices
+            are the only changes to the old one.
+        """
         for a, b in unused:
             self.flat[a:b].zero_()
         dense = self.step < self.warmup_steps or self.all_small
@@ -945,6 +962,8 @@ class _Core:
                 x_in = None
         finally:
             self._put_back(holder, kept)
+        if undo is not None and applied and (kept or folded):
+            undo.append((holder, kept, folded))
         if unused:
             out = self._without(out, unused)
         out.to_dense(out=buf)  # into the flat buffer, on its device
@@ -1083,6 +1102,15 @@ class _Core:
             for a, b, v in taken:
                 res[a:b] = v.to(res.device)
             _sync(res)
+
+    def _unstep(self, undo) -> None:
+        """Put back what the applied steps of ``undo`` (:meth:`run`) wrote into the residual
+        they started from, once the allreducers are restored to their snapshots from before
+        those steps: the residual folded into a dense part, then the unused slices' residual
+        set aside (the reverse of the order :meth:`run` took them in)."""
+        for holder, kept, folded in reversed(undo):
+            self._unfold_residual(folded)
+            self._put_back(holder, kept)
 
     def _result(self):
         """The reduced gradient in ``flat`` (sparse part and dense-reduced small parameters) as
@@ -1382,6 +1410,57 @@ class _Core:
         load(fresh)
 
 
+#: The allreducers of a :class:`_Core`, as its attributes.
+_ALLREDUCERS = ("sparse", "dense", "small_dense")
+
+
+class _Iteration:
+    """One overlap-mode iteration as a transaction: what its buckets changed, so that all of it
+    is undone when one of them fails (raises, or is skipped by ``nonfinite="skip"``).
+
+    Opened at the iteration's first bucket, closed at its last one (:meth:`_Buckets._end`).
+    Nothing of O(n) is copied: the :class:`_Buckets` containers are kept as shallow copies;
+    each bucket's allreducers as their snapshots from before the iteration's first step on
+    them (``Allreducer._snapshot``: counters, ρ and the algorithm's own state, small, and the
+    residual by reference, since an applied step replaces the residual and never writes into
+    it); and what :meth:`_Core.run` itself wrote into that residual (the unused parameters'
+    slices it set aside, the slices folded into a dense part), copies the step makes anyway.
+    """
+
+    def __init__(self, buckets):
+        self.saved = (
+            dict(buckets.cores),
+            dict(buckets.carry),
+            dict(buckets.carry_full),
+            buckets.carry_step,
+            buckets.created,
+        )
+        self.before = {}  # id(core) -> (core, snapshots by attribute, residual, undo list)
+        self.created = []  # cores built in this iteration
+        self.released = []  # cores given up in this iteration (a rebuild), closed at the end
+        self.buffers = []  # the iteration's bucket buffers
+        self.failed = False
+
+    def enter(self, core) -> list | None:
+        """Record ``core``'s allreducers before its step (the first time in this iteration);
+        returns the list :meth:`_Core.run` appends its in-place writes to, or None when the
+        step does not start from the recorded residual (the core stepped before in this
+        iteration, and that step replaced the residual: what this one writes is dropped)."""
+        entry = self.before.get(id(core))
+        if entry is None:
+            snaps = {
+                name: None if getattr(core, name) is None else getattr(core, name)._snapshot()
+                for name in _ALLREDUCERS
+            }
+            entry = (core, snaps, core.sparse._residual, [])
+            self.before[id(core)] = entry
+        return entry[3] if core.sparse._residual is entry[2] else None
+
+    def add_buffer(self, buf) -> None:
+        if not any(b is buf for b in self.buffers):
+            self.buffers.append(buf)
+
+
 class _Buckets:
     """Overlap mode of :class:`SparseHookState`: one :class:`_Core` per DDP bucket (its
     parameters' slices, in the bucket's order), each bucket reduced on one communication thread
@@ -1391,6 +1470,13 @@ class _Buckets:
     when DDP's bucket layout changes (its rebuild after the first iteration), every core's state
     is carried by parameter key (``carry``: residual slices; ``carry_full``: a bucket's whole
     allreducer state, for a bucket that comes back with the same parameters) into the new cores.
+
+    An iteration is a transaction (:class:`_Iteration`): if any of its buckets raises or is
+    skipped, every bucket of it is undone at its last bucket (each bucket allreducer's state,
+    the cores, carried states and the iteration count as they were before it) and every
+    bucket's buffer is zeroed; the iteration is not counted. Every rank fails in the same
+    bucket (the checks that fail a bucket are collective), so every rank undoes the same
+    iteration.
     """
 
     def __init__(self, comm, algorithm, warmup_steps: int, options: dict, tech):
@@ -1400,7 +1486,7 @@ class _Buckets:
         self.options = dict(options)
         self.tech = tech if tech is not None else _Techniques()
         self.cores = {}  # DDP's bucket index -> _Core
-        self.step = 0  # completed iterations
+        self.step = 0  # applied iterations
         self.created = 0
         self.carry = {}  # parameter key -> host residual slice, not yet in a bucket's allreducer
         self.carry_full = {}  # (keys, numels) -> a bucket allreducer's whole state
@@ -1408,6 +1494,7 @@ class _Buckets:
         self.checked = False
         self.jobs = queue.Queue()
         self.thread = None
+        self.iteration = None  # the open _Iteration (communication thread)
 
     @property
     def stats(self) -> dict:
@@ -1451,6 +1538,7 @@ class _Buckets:
     def close(self) -> None:
         """Finish the submitted buckets, then free every bucket's communicators (collective)."""
         self.drain()
+        self._abandon()
         for core in self.cores.values():
             core.close()
         self.comm.free()
@@ -1459,7 +1547,17 @@ class _Buckets:
     # -- one bucket (on the communication thread) -------------------------------------------
     def reduce_bucket(self, index, buf, keys, numels, used, err, last, check_group):
         """Collective, in DDP's bucket order on every rank: the control allreduce (any rank's
-        error, which parameters some rank used), then the bucket's sparse allreduce in place."""
+        error, which parameters some rank used), then the bucket's sparse allreduce in place.
+
+        The iteration is a transaction (:class:`_Iteration`), opened at its first bucket and
+        closed at its ``last`` one: a bucket that raises or is skipped fails the iteration,
+        and then every bucket of it is undone there and its buffer zeroed (the future of an
+        earlier bucket holds its buffer, which DDP copies into the gradients only after the
+        last bucket), and the iteration is not counted."""
+        if self.iteration is None:
+            self.iteration = _Iteration(self)
+        it = self.iteration
+        it.add_buffer(buf)
         try:
             if not self.checked:
                 check_group()
@@ -1469,31 +1567,84 @@ class _Buckets:
             total = _step_control(
                 self.ctl, err, local, self.options.get("check", True), "reduce_bucket", index
             )
-            core = self._core_for(index, keys, numels, buf)
+            core = self._core_for(index, keys, numels, buf, it)
+            undo = it.enter(core)
             o = core.offsets
             with torch.no_grad():
                 core.flat.copy_(buf)
                 core.step = self.step  # dense warm-up by iteration, for every bucket alike
-                core.run([(o[i], o[i + 1]) for i in range(len(keys)) if total[1 + i] == 0])
+                core.run([(o[i], o[i + 1]) for i in range(len(keys)) if total[1 + i] == 0], undo)
                 buf.copy_(core.flat)
             _sync(buf)
+            if core.step == self.step:  # not counted by run: skipped (nonfinite="skip")
+                it.failed = True
             return buf
+        except BaseException:
+            it.failed = True
+            raise
         finally:
             if last:
-                self.step += 1
+                self._end()
 
-    def _core_for(self, index, keys, numels, buf) -> _Core:
+    def _end(self) -> None:
+        """Close the iteration at its last bucket: counted if every bucket of it was applied,
+        else undone (every rank alike: a bucket fails on every rank or on none)."""
+        it, self.iteration = self.iteration, None
+        if it.failed:
+            self._undo(it)
+            return
+        self.step += 1
+        for core in it.released:  # no longer needed to undo the iteration
+            core.close()
+
+    def _undo(self, it: _Iteration) -> None:
+        """Every bucket of the failed iteration ``it`` as it was before it: each allreducer
+        restored from its snapshot (one built in the iteration closed), the residual slices
+        its step wrote in place put back, the cores built in the iteration closed and those
+        it gave up (a rebuild) back, the carried states as they were; every bucket buffer of
+        the iteration zeroed. Local, except the closing (collective, the same on every rank)."""
+        for core, snaps, _, undo in it.before.values():
+            if any(core is c for c in it.created):
+                continue
+            for name, snap in snaps.items():
+                ar = getattr(core, name)
+                if snap is not None:
+                    ar._restore(snap)
+                elif ar is not None:  # built in this iteration (the warm-up's, say)
+                    ar.close()
+                    setattr(core, name, None)
+            core._unstep(undo)
+        for core in it.created:
+            core.close()
+        self.cores, self.carry, self.carry_full, self.carry_step, self.created = it.saved
+        with torch.no_grad():
+            for buf in it.buffers:
+                buf.zero_()
+                _sync(buf)
+
+    def _abandon(self) -> None:
+        """Drop an iteration whose last bucket never came (a backward that raised on the way)
+        before the state is replaced or closed: what its buckets did is kept, and the cores it
+        gave up are closed. (Otherwise the next iteration's buckets join it, and its last
+        bucket ends both.)"""
+        it, self.iteration = self.iteration, None
+        if it is not None:
+            for core in it.released:
+                core.close()
+
+    def _core_for(self, index, keys, numels, buf, it: _Iteration) -> _Core:
         core = self.cores.get(index)
         dtype = _flat_dtype([buf.dtype])
         if core is not None and (
             (core.keys, core.numels, core.flat.dtype, core.flat.device)
             != (keys, numels, dtype, buf.device)
         ):
-            self._release()  # DDP rebuilt its buckets: every core's state goes by key
+            self._release(it)  # DDP rebuilt its buckets: every core's state goes by key
             core = None
         if core is None:
             opts = (self.algorithm, self.warmup_steps, self.options, self.tech)
             core = _Core(None, *opts, comms=(self.comm, self.ctl))
+            it.created.append(core)
             core.set_layout(keys, numels, dtype, buf.device)
             core.pending = self._claim(keys, numels)
             core.allreducer(dense=False)  # collective; applies the carried state
@@ -1501,14 +1652,15 @@ class _Buckets:
             self.created += 1
         return core
 
-    def _release(self) -> None:
-        """Every core's state into ``carry`` / ``carry_full`` (by parameter key); cores dropped."""
+    def _release(self, it: _Iteration) -> None:
+        """Every core's state into ``carry`` / ``carry_full`` (by parameter key); cores dropped,
+        and closed when the iteration ``it`` ends (undoing it brings them back)."""
         for core in self.cores.values():
             saved = core.sparse.state_dict()
             self.carry_full[(tuple(core.keys), tuple(core.numels))] = saved
             self.carry.update(_by_key(core.keys, core.numels, saved.get("residual")))
             self.carry_step = int(saved["step"])
-            core.close()
+            it.released.append(core)
         self.cores = {}
 
     def _claim(self, keys, numels):
@@ -1595,6 +1747,7 @@ class _Buckets:
             [name_hash("load_state_dict"), self.step, step],
             {"load_state_dict": self.algorithm, "step before": self.step, "state's step": step},
         )
+        self._abandon()
         for core in self.cores.values():
             core.close()
         self.step, stats, self.carry_full, self.carry, self.carry_step = new
@@ -1794,7 +1947,8 @@ class SparseHookState(_Front):
         MPI initialised with at least ``MPI.THREAD_SERIALIZED`` (mpi4py's default is
         ``THREAD_MULTIPLE``); under ``THREAD_SERIALIZED`` the program must not call MPI itself
         during backward. ``clip_norm`` and ``momentum_correction`` (which need the whole
-        gradient) are not available with it.
+        gradient) are not available with it. The iteration stays the transaction: a bucket
+        that fails undoes every bucket of its iteration (Notes).
     **allreducer_options
         Passed to :func:`spardl.make` (``density``, ``teams``, ``residual``, ...). ``op`` is
         always "mean", as DDP expects averaged gradients.
@@ -1802,7 +1956,7 @@ class SparseHookState(_Front):
     Attributes
     ----------
     step : int
-        Completed iterations.
+        Completed iterations (one that raised or was skipped is not counted).
     allreducer : spardl.Allreducer or None
         The sparse allreducer (created at the first sparse iteration).
     stats : dict
@@ -1820,10 +1974,17 @@ class SparseHookState(_Front):
 
     Notes
     -----
-    In overlap mode an error while a bucket is reduced (a rank's sparse gradient, a
-    non-finite gradient with ``nonfinite="raise"``) completes that bucket's future with the
-    exception on every rank, and the hook raises it at the iteration's last bucket (after the
-    others are reduced), so ``loss.backward()`` raises it on every rank with its own type.
+    An iteration is a transaction in both modes. In the default mode it is one step of one
+    allreducer. In overlap mode it is one step per bucket, and a bucket that fails (an error
+    while it is reduced: a rank's sparse gradient, a non-finite gradient with
+    ``nonfinite="raise"``; or a non-finite gradient skipped with ``nonfinite="skip"``) fails
+    the whole iteration: at its last bucket every bucket of it is undone (each bucket
+    allreducer's state, residuals included, as before the iteration; the iteration not
+    counted in ``step``) and every bucket's future holds zeros, so every gradient of the
+    iteration reads as zero, as in the default mode. Every rank fails in the same bucket (the
+    checks are collective), so every rank undoes the iteration. ``stats`` keep counting what
+    was sent. An error is raised by the hook at the iteration's last bucket (after the others
+    are reduced), so ``loss.backward()`` raises it on every rank with its own type.
 
     Parameters that no rank used in an iteration (``find_unused_parameters=True``) keep their
     residual: DDP leaves their ``.grad`` alone, so what was selected for them is put back.
@@ -2101,7 +2262,9 @@ class SparseHookState(_Front):
                 return reduce()
             except Exception as e:  # noqa: BLE001 - raised at the last bucket, after backward
                 self._errors.append(e)
-                buf.zero_()  # this bucket's step is not applied: its gradients read as zero
+                # The iteration failed: undone at its last bucket, where every bucket buffer of
+                # it is zeroed (this one too, now).
+                buf.zero_()
                 return buf
 
         self._core.submit(work, fut)
@@ -2240,8 +2403,10 @@ def sparse_allreduce_hook(state: SparseHookState, bucket) -> torch.futures.Futur
         On every rank, with ``nonfinite="raise"``, if the reduced gradient holds NaN or Inf.
 
     Errors found while reducing come out of ``backward()`` after DDP has finished the iteration
-    (an autograd final callback), with the buckets that were not reduced zeroed, so DDP stays
-    usable: catch the error, skip ``optimizer.step()``, and go on with the next batch.
+    (an autograd final callback), so DDP stays usable: nothing of the iteration is applied
+    (every residual and counter as before it, in overlap mode every bucket's too) and every
+    gradient of it is zero; catch the error, skip ``optimizer.step()``, and go on with the
+    next batch. An iteration skipped by ``nonfinite="skip"`` leaves the same, without an error.
 
     Notes
     -----

@@ -497,3 +497,30 @@ def test_hook_resume_is_bit_for_bit_on_one_rank(tmp_path, algorithm):
     for label in ("named", "positional", "other_cap"):
         assert r[label]["bit_equal"], (label, r[label]["max_diff"])
     assert r["hook_equals_reducer"] and r["residual_nonzero"]
+
+
+@pytest.mark.parametrize("mode", ["skip", "propagate"])
+def test_dense_warmup_steps_handle_a_nonfinite_gradient_as_the_sparse_ones(mode):
+    """The dense allreducer of the warm-up steps once ignored ``nonfinite``: with "skip" a NaN
+    gradient in a warm-up step raised NonFiniteError instead of being skipped, and with
+    "propagate" too. Now a warm-up step treats it as a sparse step does."""
+    import math
+
+    import torch
+    from mpi4py import MPI
+
+    import spardl.torch as st
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    red = st.SparseGradientReducer(
+        model.parameters(), MPI.COMM_SELF, density=0.5, warmup_steps=2, nonfinite=mode
+    )
+    model(torch.randn(2, 6)).sum().backward()
+    model.weight.grad[0, 0] = math.nan
+    red.reduce()
+    if mode == "skip":
+        assert red.step == 0 and not model.weight.grad.any() and not model.bias.grad.any()
+    else:
+        assert red.step == 1 and math.isnan(model.weight.grad[0, 0])
+    red.close()

@@ -70,17 +70,67 @@ def test_error_in_the_communication_thread_raises_on_every_rank(checks, case, ki
 
 
 @pytest.mark.mpi
-def test_error_zeroes_that_buckets_future(checks):
+def test_error_zeroes_every_future_of_the_iteration(checks):
     r = checks["errors"]
     for futures, raised in zip(r["futures"], r["hook_raised"], strict=True):
-        assert futures[0] == "zeros"  # bucket 0 failed (inf on rank 1): nothing applied
-        assert futures[1] == "ok"  # bucket 1 of that iteration is applied
+        # Bucket 0 failed (inf on rank 1): the iteration is undone, bucket 1's result too.
+        assert futures[:2] == ["zeros", "zeros"]
         # The next iteration runs and is counted; its fake buckets come without a backward
         # pass, so no rank used their parameters and nothing of them is reduced (zeros). An
         # iteration of used parameters after a failing bucket: the test after _iteration below.
         assert futures[2:] == ["zeros"] * 3
         assert raised == ["NonFiniteError", "ok"]
-    assert r["steps_after"] == 2
+    assert r["steps_after"] == 1  # the failed iteration is not counted
+
+
+TRANSACTION_SCRIPT = "tests/scripts/torch_overlap_transaction.py"
+
+
+@pytest.fixture(scope="module")
+def transaction(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch_overlap_transaction") / "transaction.json"
+    run_mpi(2, [TRANSACTION_SCRIPT, str(out)], timeout=300, env={"PYTHONPATH": str(ROOT)})
+    return json.loads(out.read_text())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+@pytest.mark.parametrize("case", ["first", "unused", "unused_oktopk", "rebuild", "later"])
+def test_a_failing_bucket_undoes_its_whole_iteration(transaction, case, mode):
+    """docs/reliability.md, "A step is a transaction", overlap mode: P = 2, DDP with several
+    buckets, a NaN in rank 1's gradient of a middle bucket at iteration t. Afterwards every
+    gradient is zero on every rank, every bucket allreducer's state_dict() and the hook state's
+    are bit for bit those from before iteration t (the buckets applied before the failing one
+    and the one after it undone), and three more iterations give the parameters and states of
+    a twin run that never had iteration t, bit for bit. Cases (tests/scripts/
+    torch_overlap_transaction.py): t = 0, where the buckets' allreducers are created; an
+    unused parameter's residual set aside in a bucket applied before the failing one (spardl,
+    oktopk); the iteration in which DDP's rebuilt buckets arrive; density warm-up with small
+    parameters reduced dense."""
+    r = transaction[f"{case}-{mode}"]
+    t = r["fail_at"]
+    # Not vacuous: several buckets, the NaN's one after an applied bucket and before another.
+    layout = [names for _, names in r["failing_layout"]]
+    at = [i for i, names in enumerate(layout) if "b.weight" in names]
+    assert len(layout) >= 4 and len(at) == 1 and 0 < at[0] < len(layout) - 1, layout
+    if case == "rebuild":
+        assert len(r["first_layout"]) == 1  # DDP's first iteration: one bucket, rebuilt at t
+    if r["unused_at_t"]:
+        side = [i for i, names in enumerate(layout) if any(k.startswith("side.") for k in names)]
+        assert r["side_residual_before"] and max(side) < at[0]
+    assert r["residual_before"] == (t > 0)
+    want = "NonFiniteError" if mode == "raise" else "ok"
+    assert r["outcome"] == [want, want]
+    assert (r["skipped_steps"] > 0) == (mode == "skip")
+    # The iteration left nothing: zero gradients, every state as before it, not counted.
+    assert r["grads_zero"] == [True, True] and min(r["grads_present"]) >= 6
+    assert r["state_changed"] == [[], []]
+    assert r["steps_before_after"] == [t, t]
+    # The next three iterations: exactly the twin's.
+    assert r["moved_after_t"] > 0
+    assert r["params_equal_twin"] == [True, True]
+    assert r["final_differs_from_twin"] == [[], []]
+    assert r["same_everywhere"]
 
 
 ELASTIC_SCRIPT = "tests/scripts/torch_elastic_overlap.py"
@@ -143,9 +193,10 @@ def _iteration(state, params, groups, seed):
 
 
 def test_the_iteration_after_a_failing_bucket_reduces_every_bucket():
-    """One rank: a NaN in bucket 0 raises NonFiniteError at the last bucket, bucket 0's future
-    is zeros and bucket 1's its result; the next iteration (a real backward, every parameter
-    used) reduces every bucket as usual."""
+    """One rank: a NaN in bucket 0 raises NonFiniteError at the last bucket, and every future
+    of that iteration is zeros (bucket 1's, reduced after the failure, too); the next iteration
+    (a real backward, every parameter used) reduces every bucket as usual, and is the first
+    one counted."""
     from mpi4py import MPI
 
     import spardl
@@ -167,11 +218,142 @@ def test_the_iteration_after_a_failing_bucket_reduces_every_bucket():
     futs = [state._bucket(FakeBucket(b, grads[b], [params[b]], False)) for b in (0, 1)]
     with pytest.raises(spardl.NonFiniteError):
         state._bucket(FakeBucket(2, grads[2], [params[2]], True))
-    assert bool((futs[0].wait() == 0).all())
-    assert bool(futs[1].wait().any())
+    assert all(bool((f.wait() == 0).all()) for f in futs)
+    assert all(bool((g == 0).all()) for g in grads)  # the buffers, the last one's too
     out = _iteration(state, params, [[0], [1], [2]], seed=1)
     assert all(bool(out[i].any()) for i in range(3))
-    assert state.step == 2
+    assert state.step == 1
+
+
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_a_failing_iteration_that_rebuilds_the_buckets_midway_is_undone(mode):
+    """One rank, fake buckets: bucket 0 keeps its parameters and is applied, then bucket 1
+    comes with another layout (every bucket's state goes by key to new allreducers) and holds a
+    NaN. The whole iteration is undone: every future zeros, the state as before it, and the
+    next iterations are those of a twin that never had it, bit for bit."""
+    from mpi4py import MPI
+
+    import spardl
+    import spardl.torch as st
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 5, 3)]
+    model = torch.nn.ParameterList(params)
+
+    def state():
+        return st.SparseHookState(
+            MPI.COMM_SELF, "spardl", 0, density=0.4, nonfinite=mode, model=model, overlap=True
+        )
+
+    before, rebuilt = [[0], [1], [2]], [[0], [1, 2]]
+    run, twin = state(), state()
+    for s in (0, 1):
+        assert _equal_outputs(
+            _iteration(run, params, before, s), _iteration(twin, params, before, s)
+        )
+    saved = _bits(run.state_dict())
+    # The failing iteration, on ``run`` only.
+    sum((i + 1) * p.sum() for i, p in enumerate(params)).backward()
+    grads = [p.grad.clone() for p in params]
+    grads[1][2] = float("nan")
+    bufs = [grads[0], torch.cat([grads[1], grads[2]])]
+    futs = [run._bucket(FakeBucket(0, bufs[0], [params[0]], False))]
+    try:
+        futs.append(run._bucket(FakeBucket(1, bufs[1], [params[1], params[2]], True)))
+    except spardl.NonFiniteError:
+        assert mode == "raise"
+    else:
+        assert mode == "skip"
+    assert bool(bufs[0].any() or bufs[1].any()) is False
+    assert all(bool((f.wait() == 0).all()) for f in futs)
+    assert _bits(run.state_dict()) == saved
+    assert run.step == 2 and run.created == 3 and len(run._core.cores) == 3
+    for s in (2, 3, 4):
+        assert _equal_outputs(
+            _iteration(run, params, rebuilt, s), _iteration(twin, params, rebuilt, s)
+        )
+    assert _bits(run.state_dict()) == _bits(twin.state_dict())
+    assert run.step == twin.step == 5 and run.created == twin.created == 5
+
+
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_a_failing_iteration_gives_back_the_residual_folded_into_a_dense_part(mode):
+    """One rank, fake buckets: a state saved with dense_numel=0 loaded where parameter 1 is
+    now small (dense_numel=6); after a dense warm-up iteration, bucket 0's first sparse step
+    sends that parameter's residual with its dense part and clears it in place, and bucket 1
+    then fails. The residual comes back: the state is as before the iteration, and the next
+    iterations are those of a twin that never had it, bit for bit."""
+    from mpi4py import MPI
+
+    import spardl
+    import spardl.torch as st
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (30, 6, 40)]
+    model = torch.nn.ParameterList(params)
+    buckets = [[0, 1], [2]]
+
+    def state(warmup_steps, dense_numel):
+        return st.SparseHookState(
+            MPI.COMM_SELF,
+            "spardl",
+            warmup_steps,
+            density=0.2,
+            nonfinite=mode,
+            model=model,
+            overlap=True,
+            dense_numel=dense_numel,
+        )
+
+    first = state(0, 0)
+    for s in (0, 1):
+        _iteration(first, params, buckets, s)
+    run, twin = state(3, 6), state(3, 6)
+    for st_ in (run, twin):
+        st_.load_state_dict(first.state_dict())
+    # Step 2: dense warm-up, the residual kept; step 3 would fold it.
+    assert _equal_outputs(_iteration(run, params, buckets, 2), _iteration(twin, params, buckets, 2))
+    assert run.residuals()["1"].any()  # something to fold
+    before = _bits(run.state_dict())
+    sum((i + 1) * p.sum() for i, p in enumerate(params)).backward()
+    grads = [p.grad.clone() for p in params]
+    grads[2][5] = float("nan")
+    bufs = [torch.cat([grads[0], grads[1]]), grads[2]]
+    fut = run._bucket(FakeBucket(0, bufs[0], [params[0], params[1]], False))
+    try:
+        run._bucket(FakeBucket(1, bufs[1], [params[2]], True))
+    except spardl.NonFiniteError:
+        assert mode == "raise"
+    assert not bool(bufs[0].any() or bufs[1].any()) and not bool(fut.wait().any())
+    assert _bits(run.state_dict()) == before and run.step == 3
+    for s in (3, 4):
+        assert _equal_outputs(
+            _iteration(run, params, buckets, s), _iteration(twin, params, buckets, s)
+        )
+    assert not run.residuals()["1"].any()  # sent at step 3
+    assert _bits(run.state_dict()) == _bits(twin.state_dict())
+
+
+def _bits(state):
+    """A state_dict as comparable data (arrays by dtype, shape and bytes), without ``stats``."""
+
+    def walk(obj):
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items() if k != "stats"}
+        if isinstance(obj, (list, tuple)):
+            return [walk(v) for v in obj]
+        if isinstance(obj, torch.Tensor):
+            obj = obj.numpy()
+        if isinstance(obj, np.ndarray):
+            return (str(obj.dtype), obj.shape, obj.tobytes())
+        if isinstance(obj, float):
+            return ("float", obj.hex())
+        return obj
+
+    return walk(state)
+
+
+def _equal_outputs(a, b):
+    """Two iterations' reduced gradients (by position) equal bit for bit."""
+    return a.keys() == b.keys() and all(a[i].numpy().tobytes() == b[i].numpy().tobytes() for i in a)
 
 
 @pytest.mark.parametrize("algorithm", ["spardl", "oktopk"])

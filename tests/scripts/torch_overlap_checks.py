@@ -118,8 +118,9 @@ def _backward_outcome(world, fn):
 
 
 def errors(world):
-    """An error inside the communication thread reaches backward() on every rank (DDP), and the
-    future of exactly that bucket (fake buckets); the next iteration then runs normally."""
+    """An error inside the communication thread reaches backward() on every rank (DDP), and
+    every future of that iteration holds zeros (fake buckets); the next iteration then runs
+    normally."""
     rank = world.Get_rank()
 
     def sparse_embedding():  # found when the bucket is taken, raised after the control check
@@ -150,8 +151,9 @@ def errors(world):
             st.drain()
 
     # Fake buckets (outside a backward pass, so the hook raises at once): every future
-    # completes, the failing bucket's with zeros, the others with their result; the hook raises
-    # the error at the last bucket; the next iteration runs normally.
+    # completes with zeros (the whole iteration is undone, the buckets reduced before and after
+    # the failing one too); the hook raises the error at the last bucket; the next iteration
+    # runs normally.
     ps = [torch.nn.Parameter(torch.zeros(m)) for m in (8, 5, 3)]
     st = SparseHookState(
         world, "spardl", warmup_steps=0, density=0.5, nonfinite="raise", overlap=True
