@@ -9,6 +9,10 @@ from ._checks import check_int_at_least, type_name
 __all__ = ["SparseResult"]
 
 
+#: The dtypes of a dense form the kernels list the entries of (another floating dtype: NumPy).
+_KERNEL_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
 class SparseResult:
     """A sparse vector of length ``n``, the output of every allreducer.
 
@@ -31,8 +35,8 @@ class SparseResult:
         If ``n`` is not an integer, ``indices`` not of an integer dtype or ``values`` not of a
         floating one.
     ValueError
-        If ``n`` is negative, ``indices`` or ``values`` not 1-D or not of one length, or
-        ``indices`` not strictly ascending in ``[0, n)``.
+        If ``n`` is negative or above 2**63 (the indices are int64), ``indices`` or ``values``
+        not 1-D or not of one length, or ``indices`` not strictly ascending in ``[0, n)``.
 
     Attributes
     ----------
@@ -74,6 +78,8 @@ class SparseResult:
         from . import _arrays as A
 
         n = check_int_at_least("n", n, 0)
+        if n > 2**63:  # the indices are int64: a position past 2**63 - 1 would wrap
+            raise ValueError(f"n must be at most 2**63 (indices are int64), got {n}")
         device = A.is_device(indices) or A.is_device(values)
         if not device:
             listed = isinstance(indices, (list, tuple))
@@ -166,6 +172,12 @@ class SparseResult:
         import spardl_kernels as K
 
         v = self._dense
+        if isinstance(v, np.ndarray) and v.dtype not in _KERNEL_DTYPES:
+            # a dtype the kernels do not take (big-endian, longdouble): the same entries
+            keep = np.flatnonzero((v != 0) | np.isnan(v)).astype(np.int64)
+            object.__setattr__(self, "_indices", keep)
+            object.__setattr__(self, "_values", v[keep])
+            return
         tiny = float(np.nextafter(v.dtype.type(0), v.dtype.type(1)))
         keep, kept = K.select_above(v, tiny)  # |v| >= smallest subnormal  <=>  v != 0 or NaN
         object.__setattr__(self, "_indices", keep)

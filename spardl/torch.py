@@ -457,11 +457,13 @@ def _named_trainable(params) -> tuple[list, list]:
     Raises
     ------
     TypeError
-        If ``params`` is a single tensor or holds something else than tensors, or a trainable
-        parameter is not floating point.
+        If ``params`` is a single tensor, a module (not its ``parameters()``) or not iterable,
+        holds something else than tensors or (name, tensor) pairs with a str name, or a
+        trainable parameter is not floating point.
     ValueError
-        If ``params`` holds a parameter twice, two under one name (its state is kept by name),
-        none with ``requires_grad`` or none of them with elements.
+        If ``params`` holds a tuple that is not a pair, a parameter twice, two under one name
+        (its state is kept by name), none with ``requires_grad`` or none of them with
+        elements.
 
     A trainable tensor that is not a leaf of the autograd graph (the result of an operation,
     such as ``w * 2``) gets no ``.grad`` from ``backward()``: a TypeError too.
@@ -471,10 +473,32 @@ def _named_trainable(params) -> tuple[list, list]:
             "params must be an iterable of parameters (model.parameters()), got a "
             "single Tensor; pass [tensor]"
         )
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(
+            "params must be an iterable of parameters, got the module "
+            f"{type(params).__name__}; pass model.parameters() or model.named_parameters()"
+        )
+    try:
+        items = iter(params)
+    except TypeError:
+        raise TypeError(
+            "params must be an iterable of parameters (model.parameters()), got "
+            f"{type(params).__name__}"
+        ) from None
     named, frozen = [], []
     seen, names = {}, set()
-    for i, item in enumerate(params):
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) != 2:
+            raise ValueError(
+                f"params must hold parameters or (name, parameter) pairs, got a tuple of "
+                f"{len(item)} at position {i}"
+            )
         name, p = item if isinstance(item, tuple) else (str(i), item)
+        if isinstance(item, tuple) and not isinstance(name, str):
+            raise TypeError(
+                f"params: a (name, parameter) pair's name must be a str, got "
+                f"{type(name).__name__} at position {i}"
+            )
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"params must hold tensors, got {type(p).__name__}")
         if id(p) in seen:

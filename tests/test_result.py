@@ -98,6 +98,8 @@ def test_results_are_read_only():
         ([0], [1.0], -3, ValueError, "n must be >= 0"),
         ([0], [1.0], 3.0, TypeError, "n must be an integer"),
         ([0], [1.0], True, TypeError, "n must be an integer"),
+        # a uint64 position past int64 once wrapped to a negative index
+        (np.array([2**63 + 5], np.uint64), [1.0], 2**64, ValueError, "n must be at most 2\\*\\*63"),
     ],
 )
 def test_the_constructor_refuses_what_is_not_a_sparse_vector(indices, values, n, error, match):
@@ -111,3 +113,23 @@ def test_the_constructor_takes_array_likes_and_keeps_int64_indices():
     np.testing.assert_array_equal(r.to_dense(), np.array([1.5, 0.0, -2.0], np.float32))
     empty = SparseResult(np.array([], np.int32), np.array([], np.float64), 0)
     assert empty.to_dense().shape == (0,) and empty.indices.dtype == np.int64
+
+
+def test_the_largest_n_keeps_the_last_int64_position():
+    r = SparseResult(np.array([2**63 - 1], np.uint64), np.array([1.0]), 2**63)
+    assert r.indices.dtype == np.int64 and r.indices[0] == 2**63 - 1
+
+
+@pytest.mark.parametrize("dtype", [">f8", ">f4", np.longdouble])
+def test_dense_form_of_a_dtype_the_kernels_do_not_take_lists_its_entries(dtype):
+    """A big-endian or longdouble vector was accepted by from_dense, then reading nnz, indices
+    or values raised a kernel's TypeError naming an argument ``x``; both forms of the same
+    vector now list the same entries (NaN kept, ±0 not)."""
+    v = np.array([1.0, 0.0, np.nan, -0.0, 2.5], dtype=dtype)
+    r = SparseResult.from_dense(v)
+    assert r.nnz == 3 and r.indices.dtype == np.int64
+    np.testing.assert_array_equal(r.indices, [0, 2, 4])
+    np.testing.assert_array_equal(r.values, v[[0, 2, 4]])
+    assert r.values.dtype == np.dtype(dtype)
+    sparse = SparseResult(r.indices, r.values, len(v))
+    np.testing.assert_array_equal(sparse.to_dense(), r.to_dense())

@@ -427,6 +427,28 @@ def test_options_are_checked_at_construction(kind, options, error, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("params", "error", "message"),
+    [
+        (lambda m: m, TypeError, "got the module Linear; pass model.parameters()"),
+        (lambda m: 5, TypeError, "params must be an iterable of parameters"),
+        (lambda m: [("w", m.weight, 1)], ValueError, "got a tuple of 3 at position 0"),
+        (lambda m: [(0, m.weight)], TypeError, "name must be a str, got int at position 0"),
+    ],
+)
+def test_params_that_are_not_parameters_are_named(params, error, message):
+    """A module passed for its parameters, or a tuple that is not a (name, parameter) pair,
+    once raised Python's own words ("'Linear' object is not iterable", "too many values to
+    unpack"), which do not name params."""
+    from mpi4py import MPI
+
+    import spardl.torch as st
+
+    with pytest.raises(error, match="params") as info:
+        st.SparseGradientReducer(params(torch.nn.Linear(3, 2)), MPI.COMM_SELF)
+    assert message in str(info.value)
+
+
 def test_reducer_residual_follows_each_parameter_into_another_layout():
     """A checkpoint loaded into a reducer whose parameters come in another order (or a model
     with a parameter more): each parameter's residual lands at its new place, by name."""
