@@ -76,13 +76,15 @@ _DEFERRED_MODULES = frozenset(
 # Reentrant: a module imported by _load that asked for such a name at import would fail as a
 # circular import (an ImportError), not wait for itself.
 _lock = threading.RLock()
+_loaded = False  # whether _load has bound the names of _DEFERRED
 
 
 def _load() -> None:
     """Import the algorithms, Comm and SparseResult (mpi4py.MPI with them) and bind their
     names in this module, once."""
+    global _loaded
     with _lock:
-        if "ALGORITHMS" in globals():
+        if _loaded:
             return
         from .algorithms import Allreducer, NonFiniteError
         from .algorithms.auto import Auto
@@ -99,7 +101,7 @@ def _load() -> None:
 
         classes = (Dense, TopkA, Gaussiank, TopkDSA, GTopk, SparDL, OkTopk)
         algorithms: dict[str, type[Allreducer]] = {c.name: c for c in classes}
-        globals().update(
+        names = dict(
             Allreducer=Allreducer,
             NonFiniteError=NonFiniteError,
             Auto=Auto,
@@ -116,7 +118,10 @@ def _load() -> None:
             name_hash=name_hash,
             SparseResult=SparseResult,
         )
-        globals()["ALGORITHMS"] = algorithms  # last: it marks every name above as bound
+        names["ALGORITHMS"] = algorithms
+        for name, value in names.items():  # a name the program set itself stays as it set it
+            globals().setdefault(name, value)
+        _loaded = True
 
 
 def __getattr__(name: str):
@@ -124,7 +129,9 @@ def __getattr__(name: str):
     imported on first use (PEP 562)."""
     if name in _DEFERRED:
         _load()
-        return globals()[name]
+        if name in globals():
+            return globals()[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (deleted)")
     if name in _DEFERRED_MODULES:
         # Also how a submodule's own ``from .. import _arrays`` reaches a sibling not yet
         # imported, in the middle of an import of the package: only that module is imported.

@@ -473,7 +473,7 @@ def _named_trainable(params) -> tuple[list, list]:
             "params must be an iterable of parameters (model.parameters()), got a "
             "single Tensor; pass [tensor]"
         )
-    if isinstance(params, torch.nn.Module):
+    if isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList):
         raise TypeError(
             "params must be an iterable of parameters, got the module "
             f"{type(params).__name__}; pass model.parameters() or model.named_parameters()"
@@ -1463,6 +1463,7 @@ class _Iteration:
         self.created = []  # cores built in this iteration
         self.released = []  # cores given up in this iteration (a rebuild), closed at the end
         self.buffers = []  # the iteration's bucket buffers
+        self.indices = set()  # DDP's indices of its buckets so far
         self.failed = False
 
     def enter(self, core) -> list | None:
@@ -1562,7 +1563,7 @@ class _Buckets:
     def close(self) -> None:
         """Finish the submitted buckets, then free every bucket's communicators (collective)."""
         self.drain()
-        self._abandon()
+        self.close_unfinished(zero=False)
         for core in self.cores.values():
             core.close()
         self.comm.free()
@@ -1578,9 +1579,15 @@ class _Buckets:
         and then every bucket of it is undone there and its buffer zeroed (the future of an
         earlier bucket holds its buffer, which DDP copies into the gradients only after the
         last bucket), and the iteration is not counted."""
+        if self.iteration is not None and index in self.iteration.indices:
+            # A bucket seen already: the open iteration never reached its last bucket (its
+            # backward raised) and this is the next one. Undone, as a failed iteration, but its
+            # buffers are not zeroed: they are this iteration's now.
+            self.close_unfinished(zero=False)
         if self.iteration is None:
             self.iteration = _Iteration(self)
         it = self.iteration
+        it.indices.add(index)
         it.add_buffer(buf)
         try:
             if not self.checked:
@@ -1621,7 +1628,16 @@ class _Buckets:
         for core in it.released:  # no longer needed to undo the iteration
             core.close()
 
-    def _undo(self, it: _Iteration) -> None:
+    def close_unfinished(self, zero: bool = True) -> None:
+        """Undo an iteration whose last bucket never came (a backward that raised on the
+        way), as a failed one (:meth:`_undo`; its buffers zeroed if ``zero``). Called with
+        the communication thread idle: by :meth:`SparseHookState.drain`, :meth:`close`,
+        :meth:`load_state_dict`, or on that thread at the next iteration's first bucket."""
+        it, self.iteration = self.iteration, None
+        if it is not None:
+            self._undo(it, zero)
+
+    def _undo(self, it: _Iteration, zero: bool = True) -> None:
         """Every bucket of the failed iteration ``it`` as it was before it: each allreducer
         restored from its snapshot (one built in the iteration closed), the residual slices
         its step wrote in place put back, the cores built in the iteration closed and those
@@ -1641,20 +1657,12 @@ class _Buckets:
         for core in it.created:
             core.close()
         self.cores, self.carry, self.carry_full, self.carry_step, self.created = it.saved
+        if not zero:
+            return
         with torch.no_grad():
             for buf in it.buffers:
                 buf.zero_()
                 _sync(buf)
-
-    def _abandon(self) -> None:
-        """Drop an iteration whose last bucket never came (a backward that raised on the way)
-        before the state is replaced or closed: what its buckets did is kept, and the cores it
-        gave up are closed. (Otherwise the next iteration's buckets join it, and its last
-        bucket ends both.)"""
-        it, self.iteration = self.iteration, None
-        if it is not None:
-            for core in it.released:
-                core.close()
 
     def _core_for(self, index, keys, numels, buf, it: _Iteration) -> _Core:
         core = self.cores.get(index)
@@ -1771,7 +1779,7 @@ class _Buckets:
             [name_hash("load_state_dict"), self.step, step],
             {"load_state_dict": self.algorithm, "step before": self.step, "state's step": step},
         )
-        self._abandon()
+        self.close_unfinished(zero=False)
         for core in self.cores.values():
             core.close()
         self.step, stats, self.carry_full, self.carry, self.carry_step = new
@@ -2121,10 +2129,16 @@ class SparseHookState(_Front):
 
     def drain(self) -> None:
         """Overlap mode: wait until every bucket handed to the communication thread is reduced
-        (DDP waits for them itself at the end of backward; this is for a backward that raised).
-        A no-op otherwise."""
+        (DDP waits for them itself at the end of backward; this is for a backward that raised),
+        then undo the iteration if it never reached its last bucket (every bucket of it
+        restored, as for a failed iteration, and its gradients zero; collective when it built
+        or gave up bucket allreducers). A no-op otherwise. Without this call the next
+        iteration's first bucket undoes it, leaving the buffers alone."""
         if self.overlap:
             self._core.drain()
+            # An iteration whose backward raised before its last bucket is not applied: every
+            # bucket of it undone, its gradients zero.
+            self._core.close_unfinished()
 
     # -- the hook's work --------------------------------------------------------------------
     def _name(self, p, i=None) -> str:

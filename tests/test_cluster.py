@@ -152,22 +152,6 @@ def test_usage_errors_are_one_line_status_2(args, says):
     assert "Traceback" not in proc.stderr
 
 
-def test_the_cluster_parser_alone_parses_as_the_whole_one():
-    """``spardl cluster ...`` builds the cluster parser alone (the others import MPI): its help
-    is that of the whole parser, and a top-level --help before it still lists every command."""
-    from spardl.cli import build_parser
-
-    whole = build_parser()._subparsers._group_actions[0].choices["cluster"].format_help()
-    proc = subprocess.run(
-        [*SPARDL, "cluster", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0 and proc.stdout == whole, proc.stderr
-    proc = subprocess.run(
-        [*SPARDL, "--help", "cluster"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0 and "train" in proc.stdout and "cluster" in proc.stdout
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop privileges")
 def test_without_privileges_one_line_status_2():
     """An unprivileged user gets one line and status 2, before anything is created."""

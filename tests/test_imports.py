@@ -360,3 +360,17 @@ def test_the_algorithm_names_known_without_mpi_are_the_keys_of_algorithms():
     import spardl
 
     assert spardl.ALGORITHM_NAMES == tuple(spardl.ALGORITHMS)
+
+
+def test_a_name_set_before_the_first_use_leaves_the_others_loadable():
+    """``spardl.ALGORITHMS`` assigned before any deferred name was read once made every other
+    deferred name a KeyError (the load took ALGORITHMS for its own mark of being done)."""
+    code = (
+        "import spardl\n"
+        "mine = {}\n"
+        "spardl.ALGORITHMS = mine\n"
+        "assert spardl.Comm.__name__ == 'Comm' and hasattr(spardl, 'SparseResult')\n"
+        "assert spardl.ALGORITHMS is mine\n"
+        "print('ok')\n"
+    )
+    assert _fresh(code).splitlines()[-1] == "ok"

@@ -449,6 +449,20 @@ def test_params_that_are_not_parameters_are_named(params, error, message):
     assert message in str(info.value)
 
 
+def test_a_parameter_list_is_taken_as_its_parameters():
+    """nn.ParameterList is a module that iterates over its parameters: it is taken as them."""
+    from mpi4py import MPI
+
+    import spardl.torch as st
+
+    plist = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(3)) for _ in range(2)])
+    red = st.SparseGradientReducer(plist, MPI.COMM_SELF, density=1.0)
+    sum(p.sum() for p in plist).backward()
+    red.reduce()
+    assert all(bool((p.grad == 1).all()) for p in plist)
+    red.close()
+
+
 def test_reducer_residual_follows_each_parameter_into_another_layout():
     """A checkpoint loaded into a reducer whose parameters come in another order (or a model
     with a parameter more): each parameter's residual lands at its new place, by name."""

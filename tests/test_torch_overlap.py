@@ -332,6 +332,46 @@ def test_a_failing_iteration_gives_back_the_residual_folded_into_a_dense_part(mo
     assert _bits(run.state_dict()) == _bits(twin.state_dict())
 
 
+@pytest.mark.parametrize("drain", [True, False])
+@pytest.mark.parametrize("nan", [True, False])
+def test_an_iteration_whose_backward_stopped_early_is_undone(drain, nan):
+    """One rank, fake buckets: an iteration's backward stops after its first bucket (it raised
+    on the way; that bucket applied, or skipped for a NaN), so its last bucket never comes. It
+    is undone, by ``drain()`` or else at the next iteration's first bucket, and that next
+    iteration is applied as in a twin that never had the broken one. (The next iteration once
+    joined the open one and, with a skipped bucket in it, was dropped silently.)"""
+    from mpi4py import MPI
+
+    import spardl.torch as st
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 5, 3)]
+    model = torch.nn.ParameterList(params)
+
+    def state():
+        return st.SparseHookState(
+            MPI.COMM_SELF, "spardl", 0, density=0.4, nonfinite="skip", model=model, overlap=True
+        )
+
+    groups = [[0], [1], [2]]
+    run, twin = state(), state()
+    assert _equal_outputs(_iteration(run, params, groups, 0), _iteration(twin, params, groups, 0))
+    saved = _bits(run.state_dict())
+    sum((i + 1) * p.sum() for i, p in enumerate(params)).backward()
+    buf = params[0].grad.clone()
+    if nan:
+        buf[3] = float("nan")
+    run._bucket(FakeBucket(0, buf, [params[0]], False))  # ... and backward raised here
+    if drain:
+        run.drain()
+        assert _bits(run.state_dict()) == saved and not bool(buf.any())
+    for s in (1, 2):
+        out = _iteration(run, params, groups, s)
+        assert all(bool(out[i].any()) for i in range(3))
+        assert _equal_outputs(out, _iteration(twin, params, groups, s))
+    assert run.step == twin.step == 3
+    assert _bits(run.state_dict()) == _bits(twin.state_dict())
+
+
 def _bits(state):
     """A state_dict as comparable data (arrays by dtype, shape and bytes), without ``stats``."""
 
