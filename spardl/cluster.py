@@ -696,6 +696,8 @@ def check_quick() -> str | None:
 #: What :func:`has_netem`'s probe exits with when the qdisc was refused (not tc's own codes, nor
 #: unshare's 1).
 _NO_NETEM = 97
+#: What ``tc`` prints for a qdisc kind the kernel does not have.
+_UNKNOWN_QDISC = "qdisc kind is unknown"
 
 
 def has_netem() -> bool:
@@ -710,12 +712,14 @@ def has_netem() -> bool:
     Returns
     -------
     bool
-        True if the qdisc was created, False if ``tc`` refused it.
+        True if the qdisc was created, False if ``tc`` refused it as a kind the kernel does not
+        have.
 
     Raises
     ------
     ClusterError
-        If the probe could not run (no namespace could be created).
+        If the probe could not run (no namespace could be created), or ``tc`` failed for
+        another reason (its message is given).
     """
     # The qdisc itself is tried, not a list of modules: netem may be built in (absent from
     # /proc/modules and the module tree), a module that the kernel loads on demand (present in
@@ -726,12 +730,13 @@ def has_netem() -> bool:
         proc = _run(["unshare", "--net", "--", "/bin/sh", "-c", probe], check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ClusterError(f"cannot probe for the netem qdisc: {e}") from None
-    if proc.returncode not in (0, _NO_NETEM):
-        msg = (proc.stderr or proc.stdout).strip().splitlines()
-        raise ClusterError(
-            f"cannot probe for the netem qdisc: {msg[-1] if msg else f'exit {proc.returncode}'}"
-        )
-    return proc.returncode == 0
+    msg = (proc.stderr or proc.stdout).strip().splitlines()
+    # tc's words for a qdisc the kernel lacks; any other refusal (EPERM, say) is no answer
+    if proc.returncode == 0 or (proc.returncode == _NO_NETEM and _UNKNOWN_QDISC in str(msg)):
+        return proc.returncode == 0
+    raise ClusterError(
+        f"cannot probe for the netem qdisc: {msg[-1] if msg else f'exit {proc.returncode}'}"
+    )
 
 
 def _janitor_main(prefix: str, tmp: str) -> None:

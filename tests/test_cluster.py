@@ -348,6 +348,13 @@ def test_has_netem_asks_the_kernel_and_leaves_nothing(tmp_path):
     (tmp_path / "tc").write_text("#!/bin/sh\nexit 0\n")
     proc = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "True", proc.stderr
+    # A tc that fails for another reason is no answer: its words, not the kernel's lack.
+    (tmp_path / "tc").write_text(
+        "#!/bin/sh\necho 'RTNETLINK answers: Operation not permitted' >&2\nexit 2\n"
+    )
+    proc = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "ClusterError" in proc.stderr
+    assert "Operation not permitted" in proc.stderr.strip().splitlines()[-1]
     assert _namespaces_added(tmp_path) == []
     assert cluster._namespaces() == before
 
