@@ -12,7 +12,7 @@ candidate's step. docs/design.md §12.
 The residual is this allreducer's own: a sparse candidate's ``_reduce`` gets X = g + E and returns
 the new E, exactly as it does inside its own allreducer, so a switch between sparse candidates
 moves nothing and loses nothing. A switch to ``dense`` flushes the residual: the first dense
-step reduces X = g + E (dense's own step on X, or for float16 and GPU gradients one generic
+step reduces X = g + E (dense's own step on X, or for float16 gradients one generic
 step through :meth:`_reduce`), after which E is zero and MPI's own Allreduce runs on the gradient
 itself (:class:`~spardl.algorithms.dense.Dense`'s step).
 """
@@ -427,22 +427,27 @@ class Auto(Allreducer):
         return super()._step(grad)
 
     def _flush_step(self, grad):
-        """The first dense step after a sparse one: dense's own step on X = g + E (host
-        gradients of the work dtype; otherwise the generic step of :meth:`_flush_reduce`),
-        after which E is zero. Its buffer of X becomes the zero residual."""
+        """The first dense step after a sparse one: dense's own step on X = g + E (gradients
+        of the work dtype, host and device alike, so both give the same bits, bytes and
+        state; float16 ones take the generic step of :meth:`_flush_reduce`), after which E is
+        zero. On the host its buffer of X becomes the zero residual."""
         g = self._accept(grad)
         device = A.is_device(g)
         self._residual_for(g, device)
-        if device or g.dtype != self._residual.dtype:
+        if g.dtype != self._residual.dtype:
             return self._step_accepted(g)
         x = self._accumulate(g, device)
         ar = self._inner(self._choice)
         ar._dtype = self._dtype
         out, applied = ar._step_accepted(x)
         if applied:
-            old, self._residual = self._residual, x
-            x.fill(0)
-            self._spares.keep(old)
+            old = self._residual
+            if device:  # dense's result is a buffer of its own: X is free, but not zeroed here
+                self._residual = A.zeros(self.n, x.dtype, True)
+            else:
+                self._residual = x
+                x.fill(0)
+                self._spares.keep(old)
             self._flush = False
             self.step += 1
         return out, applied
