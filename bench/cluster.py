@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import sys
 import tempfile
 from pathlib import Path
@@ -219,7 +221,10 @@ def main(argv=None) -> int:
     a = _args(argv)
     reports = []
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        # Named as a cluster run's scratch folder, so that spardl.cluster.sweep (which every
+        # later run calls) removes it if this process is killed before it can.
+        prefix = f"spardl-{os.getpid()}-{secrets.token_hex(3)}-bench-"
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
             for bw in a.bandwidth:
                 for nodes, per in a.layout:
                     rep = run_one(bw, nodes, per, a, Path(tmp))

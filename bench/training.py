@@ -43,6 +43,7 @@ from bench._args import (  # noqa: E402
 from spardl.cli import launch_train  # noqa: E402
 from spardl.cli.cluster import rate_type  # noqa: E402
 from spardl.cluster import MAX_NODES, check_quick  # noqa: E402
+from spardl.train import _TASK_ONLY  # noqa: E402
 
 # P: every table compares bytes and times with the dense allreduce's, and at P = 1 no allreduce
 # sends a byte (nothing to compare); MAX_RANKS is far more ranks than one machine has cores for.
@@ -298,6 +299,11 @@ def _args(argv):
     p.add_argument("--out", type=output_dir, default="runs/bench-training")
     p.add_argument("--timeout", type=POSITIVE_FLOAT, default=900, help="per job, seconds")
     args = p.parse_args(argv)
+    # spardl train refuses an option of the other task, but only once the job has started
+    for other, names in _TASK_ONLY.items():
+        for name in names:
+            if other != args.task and getattr(args, name, None) is not None:
+                p.error(f"argument --{name.replace('_', '-')}: applies to --task {other} only")
     for label in args.configs:  # spardl train refuses teams that do not divide P, but late
         config = CONFIGS[label]
         teams = int(config[config.index("--teams") + 1]) if "--teams" in config else 1

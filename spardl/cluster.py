@@ -690,7 +690,18 @@ def check_quick() -> str | None:
     if any(c.isspace() for c in tmp):
         # MPICH's launcher splits the launcher path of the run's scratch folder at blanks.
         return f"the temporary folder {tmp!r} has a blank in its path: set TMPDIR to one without"
+    bad = sorted(set(_UNSAFE_PATH.findall(tmp)))
+    if bad:
+        # ... and hands it to a shell unquoted: a quote or ; there would be read as shell
+        return (
+            f"the temporary folder {tmp!r} has {''.join(bad)!r} in its path, which the MPI "
+            "launcher's shell would read: set TMPDIR to a path of letters, digits and _./+,:=@%-"
+        )
     return None
+
+
+#: The characters of a TMPDIR that the MPI launcher's shell would read as syntax.
+_UNSAFE_PATH = re.compile(r"[^A-Za-z0-9_./+,:=@%-]")
 
 
 #: What :func:`has_netem`'s probe exits with when the qdisc was refused (not tc's own codes, nor

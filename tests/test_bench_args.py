@@ -284,3 +284,23 @@ def test_cluster_bench_keeps_earlier_results_when_a_configuration_fails(
     assert [r["bandwidth"] for r in doc["reports"]] == ["1gbit"]
     assert "timed out" in doc["error"]
     assert (out / "cluster.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--steps", "20"], "argument --steps: applies to --task lm only"),
+        (["--eval-every", "5"], "argument --eval-every: applies to --task lm only"),
+        (["--lr-warmup", "3"], "argument --lr-warmup: applies to --task lm only"),
+        (["--task", "lm", "--epochs", "1"], "argument --epochs: applies to --task digits only"),
+        (["--task", "lm", "--model", "mlp"], "argument --model: applies to --task digits only"),
+    ],
+)
+def test_an_option_of_the_other_task_is_a_usage_error(args, says, tmp_path):
+    """bench/training.py took these and the job refused them once started (after building the
+    emulated cluster, with --bandwidth), exit status 1."""
+    out = tmp_path / "out"
+    proc = _bench("bench/training.py", "-n", "2", "--configs", "dense", *args, "--out", str(out))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(says), proc.stderr
+    assert not out.exists()

@@ -410,10 +410,11 @@ def test_the_launcher_starts_mpiexec_without_mpi(tmp_path):
 
 @pytest.mark.cluster
 @needs_cluster
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_a_bench_stopped_by_a_signal_leaves_no_folder(sig, tmp_path):
     """bench/cluster.py ended by TERM left its temporary folder (no handler: the ``with`` blocks
-    never ran), and by Ctrl-C printed a traceback."""
+    never ran), and by Ctrl-C printed a traceback. Killed (no handler can run), its folder is
+    named as a dead run's scratch, which the next run's sweep removes with its namespaces."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     argv = [sys.executable, "bench/cluster.py", "--bandwidth", "100mbit", "--layout", "2x1"]
@@ -438,8 +439,14 @@ def test_a_bench_stopped_by_a_signal_leaves_no_folder(sig, tmp_path):
     finally:
         if bench.poll() is None:
             bench.kill()
-    assert "Traceback" not in err, err
-    assert bench.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
+    if sig == signal.SIGKILL:
+        assert bench.returncode == -sig
+        sweep = "from spardl import cluster; cluster.sweep()"
+        env = dict(os.environ, TMPDIR=str(tmp))
+        subprocess.run([sys.executable, "-c", sweep], cwd=ROOT, env=env, timeout=60, check=True)
+    else:
+        assert "Traceback" not in err, err
+        assert bench.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
     assert list(tmp.iterdir()) == [], list(tmp.iterdir())
     assert _ours(bench.pid) == []
 
@@ -559,3 +566,18 @@ def test_sweep_removes_the_scratch_folder_of_a_dead_run():
     finally:
         shutil.rmtree(gone, ignore_errors=True)
         shutil.rmtree(live, ignore_errors=True)
+
+
+@pytest.mark.parametrize("bad", ["t'q", 't"q', "t;q", "t$q", "t q"])
+def test_a_tmpdir_the_launchers_shell_would_read_is_refused_up_front(bad, tmp_path):
+    """A TMPDIR with a quote or a ; once built the whole cluster, then failed in MPICH's
+    launcher (its shell read the scratch path: exit 255, a ; ran the rest as a command)."""
+    tmp = tmp_path / bad
+    tmp.mkdir()
+    code = "from spardl import cluster; print(cluster.check_quick())"
+    env = dict(os.environ, TMPDIR=str(tmp))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "TMPDIR" in proc.stdout and repr(str(tmp)) in proc.stdout, proc.stdout
