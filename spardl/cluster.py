@@ -641,8 +641,10 @@ class Cluster:
     def counters(self) -> list[dict]:
         """Per node, what its link carried since the cluster was created or
         :meth:`reset_counters` last called: a dict with ``tx_bytes``, ``rx_bytes``,
-        ``tx_packets``, ``rx_packets`` (Ethernet frames, headers included, as the kernel counts
-        them)."""
+        ``tx_packets``, ``rx_packets``, as the veth counts them: packets with their headers,
+        where a packet is a frame below 1 Gbit/s and mostly a whole offload segment (up to
+        64 KiB, one set of headers) at 1 Gbit/s and above, where tbf's bucket holds one and
+        does not split it (docs/design.md, "Counters")."""
         now = self._read_counters()
         return [
             {k: v - b[k] for k, v in n.items()} for n, b in zip(now, self._baseline, strict=True)
