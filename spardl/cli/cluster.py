@@ -4,8 +4,10 @@
 ``spardl cluster run --nodes 4 --bandwidth 1gbit -- python bench/allreduce.py`` creates four
 nodes linked at 1 Gbit/s, runs ``mpiexec -n 4 python bench/allreduce.py`` across them, prints what
 each link carried, removes everything it created (also on Ctrl-C, a failure or a timeout) and
-exits with the command's status (124 after ``--timeout``). Usage errors, and a machine that cannot
-create namespaces, are one line on stderr and exit status 2.
+exits with the command's status as ``mpiexec`` reports it (124 after ``--timeout``; a rank killed
+by a signal gives MPICH's 255 across several nodes, where one node's ``mpiexec`` gives
+128 + the signal). Usage errors, and a machine that cannot create namespaces, are one line on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def add_cluster(sub) -> None:
         help="create N nodes, run mpiexec -n N*R COMMAND across them, remove everything",
         description="Creates N nodes, runs `mpiexec -n N*R COMMAND ARGS...` with R ranks on "
         "each node, prints the bytes each node's link carried, tears everything down (also on "
-        "Ctrl-C, failure or timeout) and exits with the command's status.",
+        "Ctrl-C, failure or timeout) and exits with the command's status as mpiexec reports "
+        "it (a rank killed by a signal: 255 across several nodes).",
     )
     r.add_argument("--nodes", "-N", type=_nodes_type, required=True, help="N, 1 to 250")
     r.add_argument(
