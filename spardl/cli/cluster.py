@@ -5,8 +5,8 @@
 nodes linked at 1 Gbit/s, runs ``mpiexec -n 4 python bench/allreduce.py`` across them, prints what
 each link carried, removes everything it created (also on Ctrl-C, a failure or a timeout) and
 exits with the command's status as ``mpiexec`` reports it (124 after ``--timeout``; a rank killed
-by a signal gives MPICH's 255 across several nodes, where one node's ``mpiexec`` gives
-128 + the signal). Usage errors, and a machine that cannot create namespaces, are one line on
+by a signal gives MPICH's 255 across several nodes, where ``mpiexec`` on one host gives the
+signal's number). Usage errors, and a machine that cannot create namespaces, are one line on
 stderr and exit status 2.
 """
 
