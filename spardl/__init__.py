@@ -34,29 +34,30 @@ ALGORITHM_NAMES: tuple[str, ...] = (
     "oktopk",
 )
 
-#: The names imported on first use (:func:`_load`), mpi4py.MPI with them: the public ones, the
-#: algorithm classes, ``collective_check`` and ``name_hash``. ``ALGORITHMS`` is algorithm
-#: name -> class; every class takes (comm, n, **options), see :func:`make`.
-_DEFERRED = frozenset(
-    {
-        "ALGORITHMS",
-        "Allreducer",
-        "Auto",
-        "Comm",
-        "Dense",
-        "GTopk",
-        "Gaussiank",
-        "NonFiniteError",
-        "OkTopk",
-        "SparDL",
-        "SparseResult",
-        "TopkA",
-        "TopkDSA",
-        "abort_on_exception",
-        "collective_check",
-        "name_hash",
-    }
-)
+#: The names imported on first use (:func:`_load`), mpi4py.MPI with them, and the submodule of
+#: each: the public ones, the algorithm classes, ``collective_check`` and ``name_hash``. With
+#: them ``ALGORITHMS``, algorithm name -> class (:data:`_CLASSES`); every class takes
+#: (comm, n, **options), see :func:`make`.
+_FROM = {
+    "Allreducer": "algorithms",
+    "NonFiniteError": "algorithms",
+    "Auto": "algorithms.auto",
+    "collective_check": "algorithms.base",
+    "Dense": "algorithms.dense",
+    "Gaussiank": "algorithms.gaussiank",
+    "GTopk": "algorithms.gtopk",
+    "OkTopk": "algorithms.oktopk",
+    "SparDL": "algorithms.spardl",
+    "TopkA": "algorithms.topka",
+    "TopkDSA": "algorithms.topkdsa",
+    "Comm": "comm",
+    "abort_on_exception": "comm",
+    "name_hash": "comm",
+    "SparseResult": "result",
+}
+#: The classes of ``ALGORITHMS``, in the order of :data:`ALGORITHM_NAMES`.
+_CLASSES = ("Dense", "TopkA", "Gaussiank", "TopkDSA", "GTopk", "SparDL", "OkTopk")
+_DEFERRED = frozenset({*_FROM, "ALGORITHMS"})
 #: Submodules that ``spardl.<name>`` reaches without an import of its own: each is imported on
 #: first use, alone.
 _DEFERRED_MODULES = frozenset(
@@ -86,39 +87,11 @@ def _load() -> None:
     with _lock:
         if _loaded:
             return
-        from .algorithms import Allreducer, NonFiniteError
-        from .algorithms.auto import Auto
-        from .algorithms.base import collective_check
-        from .algorithms.dense import Dense
-        from .algorithms.gaussiank import Gaussiank
-        from .algorithms.gtopk import GTopk
-        from .algorithms.oktopk import OkTopk
-        from .algorithms.spardl import SparDL
-        from .algorithms.topka import TopkA
-        from .algorithms.topkdsa import TopkDSA
-        from .comm import Comm, abort_on_exception, name_hash
-        from .result import SparseResult
-
-        classes = (Dense, TopkA, Gaussiank, TopkDSA, GTopk, SparDL, OkTopk)
-        algorithms: dict[str, type[Allreducer]] = {c.name: c for c in classes}
-        names = dict(
-            Allreducer=Allreducer,
-            NonFiniteError=NonFiniteError,
-            Auto=Auto,
-            collective_check=collective_check,
-            Dense=Dense,
-            Gaussiank=Gaussiank,
-            GTopk=GTopk,
-            OkTopk=OkTopk,
-            SparDL=SparDL,
-            TopkA=TopkA,
-            TopkDSA=TopkDSA,
-            Comm=Comm,
-            abort_on_exception=abort_on_exception,
-            name_hash=name_hash,
-            SparseResult=SparseResult,
-        )
-        names["ALGORITHMS"] = algorithms
+        names = {
+            name: getattr(importlib.import_module(f"{__name__}.{module}"), name)
+            for name, module in _FROM.items()
+        }
+        names["ALGORITHMS"] = {names[c].name: names[c] for c in _CLASSES}
         for name, value in names.items():  # a name the program set itself stays as it set it
             globals().setdefault(name, value)
         _loaded = True

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["work_dtype"]
+__all__ = ["VALUE_DTYPES", "work_dtype"]
 
-_VALUE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+#: The gradient dtypes the allreducers and the kernels take (native byte order).
+VALUE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 def work_dtype(dtype: np.dtype) -> np.dtype:
@@ -41,6 +42,6 @@ def work_dtype(dtype: np.dtype) -> np.dtype:
         raise err(
             f"dtype must be a NumPy dtype (float16, float32 or float64), got {dtype!r}"
         ) from None
-    if dt not in _VALUE_DTYPES:
+    if dt not in VALUE_DTYPES:
         raise ValueError(f"dtype must be float16, float32 or float64, got {dt}")
     return np.dtype(np.float32) if dt == np.float16 else dt

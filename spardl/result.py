@@ -5,12 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import check_int_at_least, type_name
+from .dtypes import VALUE_DTYPES
 
 __all__ = ["SparseResult"]
-
-
-#: The dtypes of a dense form the kernels list the entries of (another floating dtype: NumPy).
-_KERNEL_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 class SparseResult:
@@ -172,7 +169,7 @@ class SparseResult:
         import spardl_kernels as K
 
         v = self._dense
-        if isinstance(v, np.ndarray) and v.dtype not in _KERNEL_DTYPES:
+        if isinstance(v, np.ndarray) and v.dtype not in VALUE_DTYPES:
             # a dtype the kernels do not take (big-endian, longdouble): the same entries
             keep = np.flatnonzero((v != 0) | np.isnan(v)).astype(np.int64)
             object.__setattr__(self, "_indices", keep)

@@ -33,12 +33,12 @@ from .._checks import (
 )
 from ..comm import WIRES, Comm, name_hash, signature_digest, signature_field
 from ..cost_model import budget as cost_budget
+from ..dtypes import VALUE_DTYPES
 from ..dtypes import work_dtype as _work_dtype
 from ..result import SparseResult
 
 __all__ = ["Allreducer", "Reduced", "NonFiniteError", "Above", "budget"]
 
-VALUE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 SIGNATURE_LEN = 7
 OPS = ("mean", "sum")
 RESIDUALS = ("global", "local", "none")
