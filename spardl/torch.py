@@ -488,17 +488,20 @@ def _named_trainable(params) -> tuple[list, list]:
     named, frozen = [], []
     seen, names = {}, set()
     for i, item in enumerate(items):
-        if isinstance(item, tuple) and len(item) != 2:
+        if not isinstance(item, tuple):
+            name, p = str(i), item
+        elif len(item) != 2:
             raise ValueError(
                 f"params must hold parameters or (name, parameter) pairs, got a tuple of "
                 f"{len(item)} at position {i}"
             )
-        name, p = item if isinstance(item, tuple) else (str(i), item)
-        if isinstance(item, tuple) and not isinstance(name, str):
-            raise TypeError(
-                f"params: a (name, parameter) pair's name must be a str, got "
-                f"{type(name).__name__} at position {i}"
-            )
+        else:
+            name, p = item
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"params: a (name, parameter) pair's name must be a str, got "
+                    f"{type(name).__name__} at position {i}"
+                )
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"params must hold tensors, got {type(p).__name__}")
         if id(p) in seen:
@@ -1642,7 +1645,8 @@ class _Buckets:
         restored from its snapshot (one built in the iteration closed), the residual slices
         its step wrote in place put back, the cores built in the iteration closed and those
         it gave up (a rebuild) back, the carried states as they were; every bucket buffer of
-        the iteration zeroed. Local, except the closing (collective, the same on every rank)."""
+        the iteration zeroed if ``zero``. Local, except the closing (collective, the same on
+        every rank)."""
         for core, snaps, _, undo in it.before.values():
             if any(core is c for c in it.created):
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,11 +22,16 @@ torch = pytest.importorskip("torch")
 SCRIPT = "tests/scripts/torch_overlap_checks.py"
 
 
+def _script_results(tmp_path_factory, script: str, timeout: float) -> dict:
+    """What ``script``, run under ``mpiexec -n 2``, wrote to its JSON file."""
+    out = tmp_path_factory.mktemp(Path(script).stem) / "results.json"
+    run_mpi(2, [script, str(out)], timeout=timeout, env={"PYTHONPATH": str(ROOT)})
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("torch_overlap") / "checks.json"
-    run_mpi(2, [SCRIPT, str(out)], timeout=240, env={"PYTHONPATH": str(ROOT)})
-    return json.loads(out.read_text())
+    return _script_results(tmp_path_factory, SCRIPT, 240)
 
 
 @pytest.mark.mpi
@@ -88,9 +94,7 @@ TRANSACTION_SCRIPT = "tests/scripts/torch_overlap_transaction.py"
 
 @pytest.fixture(scope="module")
 def transaction(tmp_path_factory):
-    out = tmp_path_factory.mktemp("torch_overlap_transaction") / "transaction.json"
-    run_mpi(2, [TRANSACTION_SCRIPT, str(out)], timeout=300, env={"PYTHONPATH": str(ROOT)})
-    return json.loads(out.read_text())
+    return _script_results(tmp_path_factory, TRANSACTION_SCRIPT, 300)
 
 
 @pytest.mark.mpi
