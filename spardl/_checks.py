@@ -21,6 +21,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_counter",
+    "check_counter_room",
     "check_density",
     "is_count",
     "malformed",
@@ -118,6 +119,24 @@ def check_counter(name: str, value) -> int:
     if not 0 <= value < 2**63:
         raise ValueError(f"{name} must be in [0, 2**63), got {value}")
     return int(value)
+
+
+def check_counter_room(name: str, value: int) -> None:
+    """Refuse, before it changes anything, a call that would take the step or call count
+    ``value`` past 2**63 - 1: its state would hold 2**63, which :func:`check_counter` (every
+    state loader) refuses, so a checkpoint saved after it could not be loaded.
+
+    Raises
+    ------
+    OverflowError
+        ``"{name} is {value}, the largest a state holds (2**63 - 1): ..."``.
+    """
+    if value >= 2**63 - 1:
+        raise OverflowError(
+            f"{name} is {value}, the largest a state holds (2**63 - 1): one more call would "
+            "take it past, and a checkpoint saved after it could not be loaded; nothing was "
+            "changed"
+        )
 
 
 class OptionMismatch(ValueError):

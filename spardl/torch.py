@@ -30,6 +30,7 @@ from . import make
 from ._checks import (
     check_bool,
     check_counter,
+    check_counter_room,
     check_density,
     check_float,
     check_int,
@@ -769,6 +770,49 @@ def _raise_after_backward(err: BaseException) -> None:
         raise err from None
 
 
+def _undo_or_break(owner, undo, error: BaseException | None = None) -> None:
+    """Call ``undo()``, which puts back what a failed (``error``, propagating) or skipped step
+    of ``owner`` (a :class:`_Core` or :class:`_Buckets`) changed.
+
+    If the undo raises too, the state is half restored: ``owner.broken`` keeps the undo's
+    exception, and every later use refuses (:meth:`_Core.check_restored`). With ``error``,
+    the undo's failure is attached to it as a note (PEP 678), and this returns so that the
+    caller re-raises ``error``, the one the caller of the step must see (an interrupt during
+    the undo still propagates); without it, the undo's exception propagates."""
+    try:
+        undo()
+    except BaseException as e:
+        owner.broken = e
+        if error is None or not isinstance(e, Exception):
+            raise
+        note = (
+            f"undoing the step failed too ({type(e).__name__}: {e}): the state could not be "
+            "restored, and this object refuses every later call"
+        )
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        else:  # Python 3.10: where PEP 678's backports read notes
+            error.__notes__ = [*getattr(error, "__notes__", []), note]
+
+
+def _check_restored(owners) -> None:
+    """Raise if a failed step of one of ``owners`` could not be undone (``broken``).
+
+    Raises
+    ------
+    RuntimeError
+        Saying that the state could not be restored, the undo's error as its cause.
+    """
+    for owner in owners:
+        if owner.broken is not None:
+            e = owner.broken
+            raise RuntimeError(
+                f"the state could not be restored after a failed step (undoing it raised "
+                f"{type(e).__name__}: {e}): this object cannot go on from it; close it and "
+                "start again from a checkpoint"
+            ) from e
+
+
 def _check_frozen_everywhere(names, frozen: np.ndarray, P: int) -> None:
     """Raise (on every rank: ``frozen`` is a reduced count) if a parameter is frozen on some
     ranks and not on others: the ranks that froze it would keep their own gradient while the
@@ -846,10 +890,15 @@ class _Core:
         self.small = []  # (start, end) of the parameters reduced dense (tech.dense_numel)
         self.all_small = False  # every parameter reduced dense: every step is a dense one
         self.small_dense = None  # their dense allreducer
+        self.broken = None  # the error of a failed step's undo (_undo_or_break), if one raised
 
     @property
     def stats(self) -> dict:
         return self.comm.stats
+
+    def check_restored(self) -> None:
+        """Raise RuntimeError if a failed step could not be undone (:func:`_check_restored`)."""
+        _check_restored([self])
 
     def close(self) -> None:
         """Free the allreducers' communicators, and this core's own (collective)."""
@@ -909,8 +958,8 @@ class _Core:
                         {"loaded state": self.algorithm},
                         loaded=self.sparse,
                     )
-                except BaseException:
-                    self.sparse._restore(fresh)
+                except BaseException as e:
+                    _undo_or_break(self, lambda: self.sparse._restore(fresh), e)
                     raise
         return self.sparse
 
@@ -939,7 +988,13 @@ class _Core:
             residual back as it was (overlap mode: an iteration is undone when a later bucket
             of it fails). A step replaces its residual, never writes into it, so these slices
             are the only changes to the old one.
+
+        Raises
+        ------
+        OverflowError
+            Before anything changes, when ``step`` is 2**63 - 1 (a state loaders take no more).
         """
+        check_counter_room("step", self.step)
         for a, b in unused:
             self.flat[a:b].zero_()
         dense = self.step < self.warmup_steps or self.all_small
@@ -952,6 +1007,7 @@ class _Core:
         # Set aside first: an unused parameter's residual is neither folded into the dense part
         # below nor selected by the sparse one.
         kept = self._set_aside(holder, unused)
+        error = None
         try:
             # A residual on what is now reduced dense (a loaded state saved with a smaller
             # dense_numel): sent with it and cleared, so nothing is lost or left stranded, and
@@ -964,13 +1020,11 @@ class _Core:
                 folded = self._fold_residual(small, self.small)
                 try:
                     small = self._reduce_small(small, x_in)
-                except BaseException:
-                    self._undo(ar, u_before, before_density)
-                    self._unfold_residual(folded)
+                except BaseException as e:
+                    self._undo(ar, u_before, before_density, folded, e)
                     raise
                 if small is False:  # nonfinite="skip": the whole step is dropped
-                    self._undo(ar, u_before, before_density)
-                    self._unfold_residual(folded)
+                    self._undo(ar, u_before, before_density, folded)
                     self.flat.zero_()  # the result, as a skipped sparse step leaves it
                     return self._empty()
             buf = _vector(self.flat)
@@ -978,17 +1032,18 @@ class _Core:
             skipped = ar.stats.get("skipped_steps", 0)
             try:
                 out = ar(buf)
-            except BaseException:
-                self._undo(ar, u_before, before_density)
-                self._unfold_residual(folded)
+            except BaseException as e:
+                self._undo(ar, u_before, before_density, folded, e)
                 raise
             applied = ar.stats.get("skipped_steps", 0) == skipped
             if not applied:  # nonfinite="skip": as if the step had not been taken
-                self._undo(ar, u_before, before_density)
-                self._unfold_residual(folded)
+                self._undo(ar, u_before, before_density, folded)
                 x_in = None
+        except BaseException as e:
+            error = e
+            raise
         finally:
-            self._put_back(holder, kept)
+            _undo_or_break(self, lambda: self._put_back(holder, kept), error)
         if undo is not None and applied and (kept or folded):
             undo.append((holder, kept, folded))
         if unused:
@@ -1201,12 +1256,18 @@ class _Core:
         x_in = torch.add(flat.to(work), res.to(work))  # one pass where no dtype changes
         return u_before, x_in
 
-    def _undo(self, ar, u_before, before_density) -> None:
-        """A step that raised or was skipped: the velocity and the density as they were."""
-        if u_before is not None:
-            self.velocity = u_before
-        if before_density is not None:
-            ar._restore(before_density)
+    def _undo(self, ar, u_before, before_density, folded, error=None) -> None:
+        """A step that raised (``error``) or was skipped: the velocity, the density and the
+        residual folded into a dense part as they were (:func:`_undo_or_break`)."""
+
+        def undo():
+            if u_before is not None:
+                self.velocity = u_before
+            if before_density is not None:
+                ar._restore(before_density)
+            self._unfold_residual(folded)
+
+        _undo_or_break(self, undo, error)
 
     def _clip(self) -> None:
         """Local gradient clipping (arXiv 1712.01887 §3.3): this rank's whole gradient is scaled
@@ -1278,6 +1339,7 @@ class _Core:
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        self.check_restored()  # a half-restored state would be saved as if it were sound
         keys, numels = self.keys, self.numels
         allreducer = None if self.sparse is None else self.sparse.state_dict()
         extra = {}
@@ -1337,12 +1399,12 @@ class _Core:
                 loaded=self.sparse,
                 prefix="allreducer ",
             )
-        except BaseException:
+        except BaseException as e:
             self.step, self.velocity, self.pending_velocity, stats, self.pending, ar = saved
             self.stats.clear()
             self.stats.update(stats)
             if ar is not None:
-                self.sparse._restore(ar)
+                _undo_or_break(self, lambda: self.sparse._restore(ar), e)
             raise
 
     def _load_local(self, state) -> None:
@@ -1468,6 +1530,7 @@ class _Iteration:
         self.buffers = []  # the iteration's bucket buffers
         self.indices = set()  # DDP's indices of its buckets so far
         self.failed = False
+        self.error = None  # the first exception of its buckets, the one the caller sees
 
     def enter(self, core) -> list | None:
         """Record ``core``'s allreducers before its step (the first time in this iteration);
@@ -1523,10 +1586,16 @@ class _Buckets:
         self.jobs = queue.Queue()
         self.thread = None
         self.iteration = None  # the open _Iteration (communication thread)
+        self.broken = None  # the error of a failed iteration's undo (_undo_or_break), if one raised
 
     @property
     def stats(self) -> dict:
         return self.comm.stats
+
+    def check_restored(self) -> None:
+        """Raise RuntimeError if a failed iteration, or a bucket's failed step, could not be
+        undone (:func:`_check_restored`)."""
+        _check_restored([self, *self.cores.values()])
 
     @property
     def sparse(self):
@@ -1582,6 +1651,8 @@ class _Buckets:
         and then every bucket of it is undone there and its buffer zeroed (the future of an
         earlier bucket holds its buffer, which DDP copies into the gradients only after the
         last bucket), and the iteration is not counted."""
+        self.check_restored()
+        check_counter_room("step", self.step)  # before the iteration opens: nothing changed
         if self.iteration is not None and index in self.iteration.indices:
             # A bucket seen already: the open iteration never reached its last bucket (its
             # backward raised) and this is the next one. Undone, as a failed iteration, but its
@@ -1613,8 +1684,10 @@ class _Buckets:
             if core.step == self.step:  # not counted by run: skipped (nonfinite="skip")
                 it.failed = True
             return buf
-        except BaseException:
+        except BaseException as e:
             it.failed = True
+            if it.error is None:
+                it.error = e
             raise
         finally:
             if last:
@@ -1622,10 +1695,12 @@ class _Buckets:
 
     def _end(self) -> None:
         """Close the iteration at its last bucket: counted if every bucket of it was applied,
-        else undone (every rank alike: a bucket fails on every rank or on none)."""
+        else undone (every rank alike: a bucket fails on every rank or on none). An undo that
+        raises is noted on the iteration's first error, which the hook raises, else raises
+        (:func:`_undo_or_break`)."""
         it, self.iteration = self.iteration, None
         if it.failed:
-            self._undo(it)
+            _undo_or_break(self, lambda: self._undo(it), it.error)
             return
         self.step += 1
         for core in it.released:  # no longer needed to undo the iteration
@@ -1638,7 +1713,7 @@ class _Buckets:
         :meth:`load_state_dict`, or on that thread at the next iteration's first bucket."""
         it, self.iteration = self.iteration, None
         if it is not None:
-            self._undo(it, zero)
+            _undo_or_break(self, lambda: self._undo(it, zero))
 
     def _undo(self, it: _Iteration, zero: bool = True) -> None:
         """Every bucket of the failed iteration ``it`` as it was before it: each allreducer
@@ -1646,7 +1721,12 @@ class _Buckets:
         its step wrote in place put back, the cores built in the iteration closed and those
         it gave up (a rebuild) back, the carried states as they were; every bucket buffer of
         the iteration zeroed if ``zero``. Local, except the closing (collective, the same on
-        every rank)."""
+        every rank). The buffers first: zero even if a restore raises."""
+        if zero:
+            with torch.no_grad():
+                for buf in it.buffers:
+                    buf.zero_()
+                    _sync(buf)
         for core, snaps, _, undo in it.before.values():
             if any(core is c for c in it.created):
                 continue
@@ -1661,12 +1741,6 @@ class _Buckets:
         for core in it.created:
             core.close()
         self.cores, self.carry, self.carry_full, self.carry_step, self.created = it.saved
-        if not zero:
-            return
-        with torch.no_grad():
-            for buf in it.buffers:
-                buf.zero_()
-                _sync(buf)
 
     def _core_for(self, index, keys, numels, buf, it: _Iteration) -> _Core:
         core = self.cores.get(index)
@@ -1736,6 +1810,7 @@ class _Buckets:
 
     def state_dict(self) -> dict:
         self.drain()
+        self.check_restored()  # a half-restored state would be saved as if it were sound
         buckets = [
             {"keys": c.keys, "numels": c.numels, "allreducer": c.sparse.state_dict()}
             for _, c in sorted(self.cores.items())
@@ -1863,6 +1938,7 @@ class _Front:
     def _check_open(self) -> None:
         if getattr(self, "_closed", False):
             raise ValueError(f"{type(self).__name__} is closed")
+        self._core.check_restored()
 
     def __enter__(self):
         return self
@@ -1909,6 +1985,12 @@ class _Front:
 
         Arrays are torch tensors and scalars plain Python numbers, so ``torch.save`` /
         ``torch.load`` (with its default ``weights_only=True``) round-trip it.
+
+        Raises
+        ------
+        RuntimeError
+            If a failed step could not be undone (its undo raised): the state is half restored.
+            Every later call but :meth:`close` raises it too.
         """
         return self._core.state_dict()
 
@@ -2639,6 +2721,11 @@ class SparseGradientReducer(_Front):
             holds NaN or Inf. Nothing of the step is applied (residuals, velocities and
             schedules stay as they were) and every ``.grad`` is zeroed on every rank: skip
             ``optimizer.step()`` and go on with the next batch.
+        OverflowError
+            On every rank, before anything changes, when ``step`` (or the allreducer's step or
+            call count) is 2**63 - 1: a state saved after one more would not load.
+        RuntimeError
+            Once a failed step could not be undone (:meth:`state_dict`).
         """
         from .algorithms.base import NonFiniteError
 

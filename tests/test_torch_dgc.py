@@ -320,6 +320,37 @@ def test_a_rejected_step_in_the_density_warmup_leaves_the_state_as_it_was(nonfin
     assert repr(_plain(after)) == repr(_plain(before))
 
 
+def test_a_restore_that_raises_keeps_the_steps_error_and_refuses_every_later_call(monkeypatch):
+    """A step of the density warm-up raises NonFiniteError and putting its density back raises
+    too (injected): the caller sees the NonFiniteError, the restore's failure in a note (it once
+    replaced it), and the half-restored reducer refuses every later call but close()."""
+    import spardl
+
+    p = torch.nn.Parameter(torch.zeros(400))
+    red = st.SparseGradientReducer(
+        [p], MPI.COMM_SELF, "spardl", density=0.01, density_warmup=4, nonfinite="raise"
+    )
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        p.grad = torch.from_numpy(rng.standard_normal(400).astype(np.float32))
+        red.reduce()
+
+    def fail(self, saved):
+        raise RuntimeError("injected restore failure")
+
+    monkeypatch.setattr(type(red.allreducer), "_restore", fail)
+    p.grad = torch.full((400,), float("nan"))
+    with pytest.raises(spardl.NonFiniteError) as info:
+        red.reduce()
+    assert "injected restore failure" in "".join(getattr(info.value, "__notes__", []))
+    monkeypatch.undo()
+    p.grad = torch.from_numpy(rng.standard_normal(400).astype(np.float32))
+    for call in (red.reduce, red.state_dict, lambda: red.load_state_dict({})):
+        with pytest.raises(RuntimeError, match="state could not be restored"):
+            call()
+    red.close()
+
+
 def _plain(obj):
     """A state as plain data (arrays and tensors as their bytes), for an exact comparison."""
     if isinstance(obj, dict):

@@ -229,6 +229,50 @@ def test_the_iteration_after_a_failing_bucket_reduces_every_bucket():
     assert state.step == 1
 
 
+def test_an_undo_that_raises_keeps_the_buckets_error_and_refuses_every_later_call(monkeypatch):
+    """One rank: bucket 0 of the second iteration holds a NaN, and undoing the iteration at its
+    last bucket raises too (``_unstep``, injected). The hook raises the bucket's NonFiniteError
+    with the undo's failure as a note (it was once dropped, and the state went on half
+    restored), every buffer zero; from then on every call but close() refuses, saying so."""
+    from mpi4py import MPI
+
+    import spardl
+    import spardl.torch as st
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 5, 3)]
+    state = st.SparseHookState(
+        MPI.COMM_SELF,
+        "spardl",
+        0,
+        density=0.5,
+        nonfinite="raise",
+        model=torch.nn.ParameterList(params),
+        overlap=True,
+    )
+    _iteration(state, params, [[0], [1], [2]], seed=0)
+
+    def fail(self, undo):
+        raise RuntimeError("injected undo failure")
+
+    monkeypatch.setattr(st._Core, "_unstep", fail)
+    sum((i + 1) * p.sum() for i, p in enumerate(params)).backward()
+    grads = [p.grad.clone() for p in params]
+    grads[0][3] = float("nan")
+    futs = [state._bucket(FakeBucket(b, grads[b], [params[b]], False)) for b in (0, 1)]
+    with pytest.raises(spardl.NonFiniteError) as info:
+        state._bucket(FakeBucket(2, grads[2], [params[2]], True))
+    assert "injected undo failure" in "".join(getattr(info.value, "__notes__", []))
+    assert all(bool((f.wait() == 0).all()) for f in futs)
+    assert all(bool((g == 0).all()) for g in grads)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="could not be restored") as info:
+        _iteration(state, params, [[0], [1], [2]], seed=1)
+    assert "injected undo failure" in str(info.value.__cause__)
+    with pytest.raises(RuntimeError, match="could not be restored"):
+        state.state_dict()
+    state.close()
+
+
 @pytest.mark.parametrize("mode", ["skip", "raise"])
 def test_a_failing_iteration_that_rebuilds_the_buckets_midway_is_undone(mode):
     """One rank, fake buckets: bucket 0 keeps its parameters and is applied, then bucket 1

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .. import cost_model
-from .._checks import check_float, check_int
+from .._checks import check_counter_room, check_float, check_int
 from ..comm import Comm, name_hash, signature_field, wire_index_dtype
 from ..dtypes import work_dtype
 from .base import Allreducer, Reduced
@@ -418,6 +418,15 @@ class Auto(Allreducer):
             if not (flush and self._trial is not None):
                 self._after_step()
         return out
+
+    def _check_counter_room(self) -> None:
+        # The current candidate counts the step too (its own step, and dense's call count).
+        super()._check_counter_room()
+        st = self._inner_state(self._choice)
+        if st is not None:
+            name = self.cands[self._choice].name
+            check_counter_room(f"candidate {name}'s step", st[0])
+            check_counter_room(f"candidate {name}'s calls", st[1])
 
     def _step(self, grad):
         if self._dense_now() and not self._flush:

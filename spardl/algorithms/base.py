@@ -27,6 +27,7 @@ from .._checks import (
     check_bool,
     check_choice,
     check_counter,
+    check_counter_room,
     check_density,
     check_int,
     malformed,
@@ -529,6 +530,9 @@ class Allreducer:
             plain MPI.
         NonFiniteError
             With ``nonfinite="raise"``, on every rank when the reduced values are not finite.
+        OverflowError
+            Before anything changes, when ``step`` or the call count is 2**63 - 1 (a state
+            saved after one more call would not load).
 
         Notes
         -----
@@ -545,6 +549,7 @@ class Allreducer:
         # every rank alike, since every rank raises or skips together. The residual is only
         # replaced on success, so the snapshot keeps a reference to it, not a copy.
         self._check_open()
+        self._check_counter_room()
         saved = (self.step, self._calls, self._dtype, self._residual, self._extra_state())
         try:
             out, applied = self._step(grad)
@@ -556,6 +561,13 @@ class Allreducer:
         if not applied:
             self._rollback(saved)
         return out
+
+    def _check_counter_room(self) -> None:
+        """Refuse a call while ``step`` or ``calls`` is at 2**63 - 1 (OverflowError, before any
+        message or change): what it saved would be a state no loader takes. Every rank holds
+        the same counters (a load checks that they agree), so every rank refuses alike."""
+        check_counter_room("step", self.step)
+        check_counter_room("calls", self._calls)
 
     def _first_selection(self):
         """The selection a step makes first, from X as it is: (ks, bounds), the budget of each
