@@ -173,6 +173,60 @@ def test_without_privileges_one_line_status_2():
     assert len(lines) == 1 and "CAP_NET_ADMIN" in lines[0], proc.stderr
 
 
+#: Runs ``python -m spardl ARGS`` after arranging a Ctrl-C (a real SIGINT, to itself) for the
+#: moment the module ``argv[1]`` is first imported; prints "not interrupted" if it never was.
+_CTRL_C_AT_IMPORT = """
+import importlib.abc, os, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+module = sys.argv.pop(1)
+assert module not in sys.modules, module
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == module:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, CtrlC())
+sys.argv[0] = "spardl"
+try:
+    runpy.run_module("spardl", run_name="__main__", alter_sys=True)
+finally:
+    if CtrlC in map(type, sys.meta_path):
+        print("not interrupted")
+"""
+
+
+@pytest.mark.parametrize(
+    "module, args",
+    [
+        ("spardl.cli.model", ["cluster", "run", "-q", "-N", "2", "--", "sleep", "5"]),
+        ("numpy", ["cluster", "run", "-q", "-N", "2", "--bandwidth", "1gbit", "--", "sleep", "5"]),
+        ("spardl.cluster", ["cluster", "run", "-q", "-N", "2", "--", "sleep", "5"]),
+        ("numpy", ["train", "--epochs", "1", "--no-progress"]),
+        ("mpi4py.MPI", ["bench", "pingpong"]),
+        ("numpy", ["model", "--n", "1000000", "--P", "8"]),
+        # in numpy's import: its C part turned the KeyboardInterrupt into numpy's ImportError
+        ("datetime", ["bench", "pingpong"]),
+    ],
+)
+def test_an_early_ctrl_c_is_one_line_and_status_130(module, args, tmp_path):
+    """A Ctrl-C in the first fraction of a second, while the command line still imported its
+    modules and what its subcommand needs (numpy: most of its start-up), or before ``cluster
+    run`` had its own handling, printed a KeyboardInterrupt traceback (or numpy's ImportError);
+    it is one line and status 130, as later."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _CTRL_C_AT_IMPORT, module, *args],
+        cwd=tmp_path,  # where train would write (it never starts)
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert err.strip().splitlines() == ["spardl: interrupted"], err
+    assert _ours(proc.pid) == []
+
+
 # -- on emulated nodes --------------------------------------------------------------------------
 def _report(path) -> dict:
     return json.loads(path.read_text())

@@ -6,12 +6,15 @@ model and bench; :mod:`.cluster`), each with ``add_<name>(subparsers)`` function
 parser and set ``func`` (called with the parsed arguments, returns an exit code); what they
 share (the usage error, option types, the collective runner) is in :mod:`.common`, which imports
 none of them. To add a subcommand, write such a function and append it to :data:`COMMANDS`. Keep
-module-level imports light: ``spardl --help`` must not import torch.
+module-level imports light: ``spardl --help`` must not import torch, and importing this package
+not even numpy (loaded in :func:`main`, where a Ctrl-C is one line, not a traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 
 from ..mpiexec import mpiexec_path
 from .cluster import add_cluster
@@ -42,12 +45,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``spardl`` and ``python -m spardl``; returns the exit code."""
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # named by the subcommand whose options they are not ("spardl train: error: ...")
-        _leaf(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args.func(args) or 0)
+    """Entry point of ``spardl`` and ``python -m spardl``; returns the exit code.
+
+    A Ctrl-C that no subcommand handled (one that arrives while the parser imports what a
+    subcommand needs, or before a subcommand installs its own handling) is one line on stderr
+    and status 130, as a shell gives an interrupted command, not a traceback.
+    """
+    try:
+        # The subcommands' modules load with Ctrl-C held back, raised once they are loaded: one
+        # that interrupts a C extension's import (numpy's) surfaces as its ImportError instead.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            parser = build_parser()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the subcommand whose options they are not ("spardl train: error: ...")
+            _leaf(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("spardl: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def _leaf(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:

@@ -18,7 +18,6 @@ import json
 import math
 import sys
 
-from .._checks import MAX_WORLD_SIZE
 from .common import POSITIVE_INT, option_type, plot_file, run_collective
 
 __all__ = [
@@ -53,6 +52,8 @@ def parse_P(text: str) -> list[int]:
     ValueError
         If a value is not an integer in [1, 2**31 − 1] or a range is empty.
     """
+    from .._checks import MAX_WORLD_SIZE  # with numpy: not when spardl.cli is imported
+
     out: set[int] = set()
     for part in str(text).split(","):
         part = part.strip()
