@@ -775,7 +775,7 @@ def _undo_or_break(owner, undo, error: BaseException | None = None) -> None:
     of ``owner`` (a :class:`_Core` or :class:`_Buckets`) changed.
 
     If the undo raises too, the state is half restored: ``owner.broken`` keeps the undo's
-    exception, and every later use refuses (:meth:`_Core.check_restored`). With ``error``,
+    exception, and every later use refuses (:func:`_restored_error`). With ``error``,
     the undo's failure is attached to it as a note (PEP 678), and this returns so that the
     caller re-raises ``error``, the one the caller of the step must see (an interrupt during
     the undo still propagates); without it, the undo's exception propagates."""
@@ -795,22 +795,28 @@ def _undo_or_break(owner, undo, error: BaseException | None = None) -> None:
             error.__notes__ = [*getattr(error, "__notes__", []), note]
 
 
-def _check_restored(owners) -> None:
-    """Raise if a failed step of one of ``owners`` could not be undone (``broken``).
-
-    Raises
-    ------
-    RuntimeError
-        Saying that the state could not be restored, the undo's error as its cause.
-    """
+def _restored_error(owners) -> RuntimeError | None:
+    """The error every later use raises if a failed step of one of ``owners`` could not be
+    undone (``broken``): a RuntimeError saying that the state could not be restored, the
+    undo's error as its cause; None if every owner is sound. An undo can fail on one rank
+    only, so a collective call hands it to its agreement (every rank raises), never raises it
+    on its own rank before the others' messages."""
     for owner in owners:
         if owner.broken is not None:
             e = owner.broken
-            raise RuntimeError(
+            err = RuntimeError(
                 f"the state could not be restored after a failed step (undoing it raised "
                 f"{type(e).__name__}: {e}): this object cannot go on from it; close it and "
                 "start again from a checkpoint"
-            ) from e
+            )
+            err.__cause__ = e
+            return err
+    return None
+
+
+def _raise_if(err: BaseException | None) -> None:
+    if err is not None:
+        raise err
 
 
 def _check_frozen_everywhere(names, frozen: np.ndarray, P: int) -> None:
@@ -896,9 +902,9 @@ class _Core:
     def stats(self) -> dict:
         return self.comm.stats
 
-    def check_restored(self) -> None:
-        """Raise RuntimeError if a failed step could not be undone (:func:`_check_restored`)."""
-        _check_restored([self])
+    def restored_error(self) -> RuntimeError | None:
+        """The RuntimeError of a failed step that could not be undone (:func:`_restored_error`)."""
+        return _restored_error([self])
 
     def close(self) -> None:
         """Free the allreducers' communicators, and this core's own (collective)."""
@@ -1043,7 +1049,10 @@ class _Core:
             error = e
             raise
         finally:
-            _undo_or_break(self, lambda: self._put_back(holder, kept), error)
+            try:
+                _undo_or_break(self, lambda: self._put_back(holder, kept), error)
+            finally:
+                error = None  # no cycle through the traceback to this frame's tensors
         if undo is not None and applied and (kept or folded):
             undo.append((holder, kept, folded))
         if unused:
@@ -1339,7 +1348,7 @@ class _Core:
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        self.check_restored()  # a half-restored state would be saved as if it were sound
+        _raise_if(self.restored_error())  # a half-restored state would be saved as if sound
         keys, numels = self.keys, self.numels
         allreducer = None if self.sparse is None else self.sparse.state_dict()
         extra = {}
@@ -1379,9 +1388,10 @@ class _Core:
             self.pending,
             None if self.sparse is None else self.sparse._snapshot(),
         )
-        err = None
+        err = self.restored_error()  # agreed below: it may hold on this rank only
         try:
-            self._load_local(state)
+            if err is None:
+                self._load_local(state)
         except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
             err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
         try:
@@ -1592,10 +1602,10 @@ class _Buckets:
     def stats(self) -> dict:
         return self.comm.stats
 
-    def check_restored(self) -> None:
-        """Raise RuntimeError if a failed iteration, or a bucket's failed step, could not be
-        undone (:func:`_check_restored`)."""
-        _check_restored([self, *self.cores.values()])
+    def restored_error(self) -> RuntimeError | None:
+        """The RuntimeError of a failed iteration, or of a bucket's failed step, that could not
+        be undone (:func:`_restored_error`)."""
+        return _restored_error([self, *self.cores.values()])
 
     @property
     def sparse(self):
@@ -1651,7 +1661,6 @@ class _Buckets:
         and then every bucket of it is undone there and its buffer zeroed (the future of an
         earlier bucket holds its buffer, which DDP copies into the gradients only after the
         last bucket), and the iteration is not counted."""
-        self.check_restored()
         check_counter_room("step", self.step)  # before the iteration opens: nothing changed
         if self.iteration is not None and index in self.iteration.indices:
             # A bucket seen already: the open iteration never reached its last bucket (its
@@ -1669,6 +1678,7 @@ class _Buckets:
                 self.checked = True
             local = np.zeros(1 + len(keys), dtype=np.int64)
             local[1:] = used
+            err = err or self.restored_error()  # agreed: it may hold on this rank only
             total = _step_control(
                 self.ctl, err, local, self.options.get("check", True), "reduce_bucket", index
             )
@@ -1810,7 +1820,7 @@ class _Buckets:
 
     def state_dict(self) -> dict:
         self.drain()
-        self.check_restored()  # a half-restored state would be saved as if it were sound
+        _raise_if(self.restored_error())  # a half-restored state would be saved as if sound
         buckets = [
             {"keys": c.keys, "numels": c.numels, "allreducer": c.sparse.state_dict()}
             for _, c in sorted(self.cores.items())
@@ -1846,9 +1856,10 @@ class _Buckets:
         key into the buckets' allreducers as they are built (whole where a saved bucket had
         the same parameters)."""
         self.drain()
-        err, new = None, None
+        err, new = self.restored_error(), None  # agreed below: it may hold on this rank only
         try:
-            new = self._load_local(state)
+            if err is None:
+                new = self._load_local(state)
         except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
             err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
         step = -1 if new is None else new[0]
@@ -1938,7 +1949,6 @@ class _Front:
     def _check_open(self) -> None:
         if getattr(self, "_closed", False):
             raise ValueError(f"{type(self).__name__} is closed")
-        self._core.check_restored()
 
     def __enter__(self):
         return self
@@ -2412,6 +2422,7 @@ class SparseHookState(_Front):
         if core.keys is None:
             first = self._first_layout(params, inflight)
         local, err = self._copy_in(seen, first, err)
+        err = core.restored_error() or err  # agreed below (see SparseGradientReducer.reduce)
         if err is None:
             try:
                 core.check_pending_velocity()  # a loaded one meets its layout here
@@ -2733,7 +2744,9 @@ class SparseGradientReducer(_Front):
         core, flat, o = self._core, self._flat, self._offsets
         m, P = len(self.params), core.ctl.size
         local = np.zeros(1 + m, dtype=np.int64)
-        err = self._unfrozen_error() or self._again_error()
+        # A state that could not be restored refuses the step on every rank (an undo can
+        # fail on one rank only: refused here alone, the others would wait in the agreement).
+        err = core.restored_error() or self._unfrozen_error() or self._again_error()
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 g = p.grad if p.requires_grad else None

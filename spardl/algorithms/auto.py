@@ -421,10 +421,13 @@ class Auto(Allreducer):
 
     def _check_counter_room(self) -> None:
         # The current candidate counts the step too (its own step, and dense's call count).
+        # Its two integers only (_inner_state would build the candidate's whole extra state).
         super()._check_counter_room()
-        st = self._inner_state(self._choice)
+        i = self._choice
+        ar = self._inners.get(i)
+        st = (ar.step, ar._calls) if ar is not None else self._pending.get(i)
         if st is not None:
-            name = self.cands[self._choice].name
+            name = self.cands[i].name
             check_counter_room(f"candidate {name}'s step", st[0])
             check_counter_room(f"candidate {name}'s calls", st[1])
 

@@ -54,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The subcommands' modules load with Ctrl-C held back, raised once they are loaded: one
         # that interrupts a C extension's import (numpy's) surfaces as its ImportError instead.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        # The mask is read first: a Ctrl-C already pending raises from the call that blocks,
+        # and the finally then restores the mask it found.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, ())
         try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             parser = build_parser()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)

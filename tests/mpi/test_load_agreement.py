@@ -364,6 +364,45 @@ def test_a_reducer_load_on_one_rank_while_the_others_reduce_fails_everywhere(com
     assert comm.allgather(out.indices.tolist()) == [out.indices.tolist()] * comm.size
 
 
+def test_a_state_not_restored_on_one_rank_is_refused_on_every_rank(comm):
+    """Undoing a failed step raised on rank 0 only (its density's restore, injected): that
+    rank's reducer is half restored, and its next reduce() and load raise on every rank (rank
+    0's RuntimeError, named by the others), where rank 0 refusing alone left the others waiting
+    in the step's agreement. The others' states are sound, so they are kept as they were."""
+    model = _model()
+    red = st.SparseGradientReducer(
+        model.parameters(), comm, "spardl", density=0.1, density_warmup=4, nonfinite="raise"
+    )
+    for s in range(2):
+        _backward(model, comm, s)
+        red.reduce()
+    state = red.state_dict()
+    if comm.rank == 0:
+
+        def fail(saved):
+            raise RuntimeError("injected restore failure")
+
+        red.allreducer._restore = fail
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    with pytest.raises(spardl.NonFiniteError) as info:
+        red.reduce()
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert ("injected restore failure" in notes) == (comm.rank == 0), notes
+    if comm.rank == 0:
+        del red.allreducer._restore
+    said = "state could not be restored"
+    match = said if comm.rank == 0 else f"rank 0 rejected its arguments .*{said}"
+    error = RuntimeError if comm.rank == 0 else ValueError
+    for call in (red.reduce, lambda: red.load_state_dict(state)):
+        _backward(model, comm, 3)
+        with pytest.raises(error, match=match):
+            call()
+    if comm.rank != 0:
+        assert red.state_dict()["step"] == 2
+    red.close()
+
+
 @pytest.mark.parametrize("algorithm", [*ALGS, "auto"])
 @pytest.mark.parametrize(
     ("key", "bad", "error", "match"),
