@@ -36,6 +36,7 @@ POSITIVE_INT = _common.POSITIVE_INT
 NONNEGATIVE_INT = _common.NONNEGATIVE_INT
 SEED = _common.SEED
 POSITIVE_FLOAT = _common.POSITIVE_FLOAT
+LEARNING_RATE = _common.LEARNING_RATE
 output_file = _common.output_file
 output_file_parents = _common.output_file_parents
 output_dir = _common.output_dir

@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._args import (  # noqa: E402
     DENSITY,
+    LEARNING_RATE,
     MAX_RANKS,
     NONNEGATIVE_INT,
     POSITIVE_FLOAT,
@@ -265,6 +266,12 @@ def _args(argv):
         "--eval-every", type=POSITIVE_INT, default=None, help="lm: default: the train default"
     )
     p.add_argument(
+        "--lr",
+        type=LEARNING_RATE,
+        default=None,
+        help="peak learning rate of every run (default: the train default of the task)",
+    )
+    p.add_argument(
         "--lr-warmup",
         type=NONNEGATIVE_INT,
         default=None,
@@ -342,7 +349,7 @@ def _train_args(args, label: str, seed: int, out: Path) -> list[str]:
     ]
     if args.epochs is not None:
         train_args += ["--epochs", str(args.epochs)]
-    for name in ("model", "width", "batch_size", "steps", "eval_every", "lr_warmup"):
+    for name in ("model", "width", "batch_size", "lr", "steps", "eval_every", "lr_warmup"):
         if getattr(args, name) is not None:
             train_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return train_args

@@ -149,6 +149,7 @@ BAD = [
     ("training.py", ["--density", "0"], "--density"),
     ("training.py", ["--seeds", "-1"], "--seeds"),
     ("training.py", ["--steps", "0"], "--steps"),
+    ("training.py", ["--lr", "0"], "--lr"),
     ("training.py", ["--out", "/proc/x"], "--out"),
     ("validate_model.py", ["--n", "0"], "--n"),
     ("validate_model.py", ["--n", TOO_LONG], "--n"),
@@ -304,3 +305,13 @@ def test_an_option_of_the_other_task_is_a_usage_error(args, says, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith(says), proc.stderr
     assert not out.exists()
+
+
+def test_the_training_bench_passes_its_learning_rate_to_every_run(tmp_path):
+    """--lr reaches each run's spardl train command, and without it the job's default holds."""
+    bench = _load_script("training")
+    given = bench._args(["--task", "lm", "--lr", "0.003", "--configs", "dense"])
+    argv = bench._train_args(given, "dense", 0, tmp_path)
+    assert argv[argv.index("--lr") + 1] == "0.003"
+    default = bench._args(["--task", "lm", "--configs", "dense"])
+    assert "--lr" not in bench._train_args(default, "dense", 0, tmp_path)
