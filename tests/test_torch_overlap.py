@@ -171,6 +171,26 @@ def test_an_overlap_checkpoint_resumes_at_another_world_size_in_either_mode(tmp_
         assert r["same_everywhere"] and r["moved"] > 0, mode
 
 
+def _three_parameter_state():
+    """Three parameters (8, 5 and 3 entries) and an overlap-mode hook state over them on one
+    rank: SparDL at ρ = 0.5, nonfinite="raise", no dense warm-up."""
+    from mpi4py import MPI
+
+    import spardl.torch as st
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 5, 3)]
+    state = st.SparseHookState(
+        MPI.COMM_SELF,
+        "spardl",
+        0,
+        density=0.5,
+        nonfinite="raise",
+        model=torch.nn.ParameterList(params),
+        overlap=True,
+    )
+    return params, state
+
+
 # -- one rank, in this process ------------------------------------------------------------------
 def _iteration(state, params, groups, seed):
     """Gradients from a real backward (so the used-parameter hooks fire), handed over in the
@@ -201,21 +221,9 @@ def test_the_iteration_after_a_failing_bucket_reduces_every_bucket():
     of that iteration is zeros (bucket 1's, reduced after the failure, too); the next iteration
     (a real backward, every parameter used) reduces every bucket as usual, and is the first
     one counted."""
-    from mpi4py import MPI
-
     import spardl
-    import spardl.torch as st
 
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 5, 3)]
-    state = st.SparseHookState(
-        MPI.COMM_SELF,
-        "spardl",
-        0,
-        density=0.5,
-        nonfinite="raise",
-        model=torch.nn.ParameterList(params),
-        overlap=True,
-    )
+    params, state = _three_parameter_state()
     sum((i + 1) * p.sum() for i, p in enumerate(params)).backward()  # every parameter used
     grads = [p.grad.clone() for p in params]
     grads[0][3] = float("nan")
@@ -234,21 +242,10 @@ def test_an_undo_that_raises_keeps_the_buckets_error_and_refuses_every_later_cal
     last bucket raises too (``_unstep``, injected). The hook raises the bucket's NonFiniteError
     with the undo's failure as a note (it was once dropped, and the state went on half
     restored), every buffer zero; from then on every call but close() refuses, saying so."""
-    from mpi4py import MPI
-
     import spardl
     import spardl.torch as st
 
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 5, 3)]
-    state = st.SparseHookState(
-        MPI.COMM_SELF,
-        "spardl",
-        0,
-        density=0.5,
-        nonfinite="raise",
-        model=torch.nn.ParameterList(params),
-        overlap=True,
-    )
+    params, state = _three_parameter_state()
     _iteration(state, params, [[0], [1], [2]], seed=0)
 
     def fail(self, undo):
