@@ -2000,7 +2000,9 @@ class _Front:
         ------
         RuntimeError
             If a failed step could not be undone (its undo raised): the state is half restored.
-            Every later call but :meth:`close` raises it too.
+            Every later call but :meth:`close` refuses: this one (local) on this rank, the
+            collective ones on every rank (this rank's RuntimeError, named by the others in a
+            ValueError).
         """
         return self._core.state_dict()
 
@@ -2736,7 +2738,8 @@ class SparseGradientReducer(_Front):
             On every rank, before anything changes, when ``step`` (or the allreducer's step or
             call count) is 2**63 - 1: a state saved after one more would not load.
         RuntimeError
-            Once a failed step could not be undone (:meth:`state_dict`).
+            Once a failed step could not be undone on this rank (:meth:`state_dict`); the
+            other ranks raise ValueError naming it, so that none waits for it.
         """
         from .algorithms.base import NonFiniteError
 
