@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
+from plain_state import plain_state
 from scripts.fake_bucket import FakeBucket
 
 import spardl
@@ -29,21 +30,8 @@ def _stepped(algorithm: str):
     return ar
 
 
-def _plain(obj):
-    """A state as plain data (arrays and tensors as their bytes), for an exact comparison."""
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if hasattr(obj, "detach"):  # a torch tensor
-        obj = obj.detach().cpu().numpy()
-    if isinstance(obj, np.ndarray):
-        return ("array", str(obj.dtype), obj.shape, obj.tobytes())
-    return obj
-
-
 def _without_stats(state: dict) -> dict:
-    return _plain({k: v for k, v in state.items() if k != "stats"})
+    return plain_state({k: v for k, v in state.items() if k != "stats"})
 
 
 @pytest.mark.parametrize("algorithm", ["dense", "spardl", "auto"])
@@ -54,10 +42,10 @@ def test_a_call_past_the_largest_counter_raises_and_changes_nothing(algorithm, k
     state["step"] = LARGEST if key == "step" else 5
     state["calls"] = LARGEST
     ar.load_state_dict(state)
-    before = _plain(ar.state_dict())
+    before = plain_state(ar.state_dict())
     with pytest.raises(OverflowError, match=rf"^{key} is {LARGEST}, the largest a state holds"):
         ar(_grad(1))
-    assert _plain(ar.state_dict()) == before
+    assert plain_state(ar.state_dict()) == before
     assert ar.step == state["step"]
 
 
@@ -72,7 +60,7 @@ def test_the_call_that_reaches_the_largest_step_saves_a_state_that_loads(algorit
     assert saved["step"] == saved["calls"] == LARGEST
     again = spardl.make(algorithm, MPI.COMM_SELF, N, density=0.1)
     again.load_state_dict(saved)
-    assert _plain(again.state_dict()) == _plain(saved)
+    assert plain_state(again.state_dict()) == plain_state(saved)
     with pytest.raises(OverflowError, match="^step is"):
         again(_grad(2))
 
@@ -85,11 +73,11 @@ def test_auto_refuses_a_call_past_its_current_candidates_largest_counter(key):
     inner[0 if key == "step" else 1] = LARGEST
     state["extra"]["inner"] = tuple(inner)
     ar.load_state_dict(state)
-    before = _plain(ar.state_dict())
+    before = plain_state(ar.state_dict())
     name = state["extra"]["choice"]
     with pytest.raises(OverflowError, match=rf"^candidate {name}'s {key} is {LARGEST}"):
         ar(_grad(1))
-    assert _plain(ar.state_dict()) == before
+    assert plain_state(ar.state_dict()) == before
 
 
 def _reducer(torch):

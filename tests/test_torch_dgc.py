@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 from mpirun import ROOT, run_mpi
+from plain_state import plain_state
 
 torch = pytest.importorskip("torch")
 MPI = pytest.importorskip("mpi4py.MPI")
@@ -317,7 +318,7 @@ def test_a_rejected_step_in_the_density_warmup_leaves_the_state_as_it_was(nonfin
     after = red.state_dict()
     # Traffic counters count what was sent, by a rejected step too (its agreement messages).
     before.pop("stats"), after.pop("stats")
-    assert repr(_plain(after)) == repr(_plain(before))
+    assert repr(plain_state(after)) == repr(plain_state(before))
 
 
 def test_a_restore_that_raises_keeps_the_steps_error_and_refuses_every_later_call(monkeypatch):
@@ -349,19 +350,6 @@ def test_a_restore_that_raises_keeps_the_steps_error_and_refuses_every_later_cal
         with pytest.raises(RuntimeError, match="state could not be restored"):
             call()
     red.close()
-
-
-def _plain(obj):
-    """A state as plain data (arrays and tensors as their bytes), for an exact comparison."""
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", str(obj.dtype), obj.detach().cpu().numpy().tobytes())
-    if isinstance(obj, np.ndarray):
-        return ("array", str(obj.dtype), obj.tobytes())
-    return obj
 
 
 def test_velocity_follows_each_parameter_into_another_layout():
@@ -476,7 +464,7 @@ def test_a_nonfinite_small_parameter_rejects_the_whole_step(nonfinite):
         assert red.stats["skipped_steps"] == 1
     after = red.state_dict()
     before.pop("stats"), after.pop("stats")
-    assert repr(_plain(after)) == repr(_plain(before))
+    assert repr(plain_state(after)) == repr(plain_state(before))
 
 
 def test_a_residual_on_newly_small_parameters_is_sent_not_lost():
