@@ -1643,13 +1643,16 @@ class _Buckets:
         self.jobs.join()
 
     def close(self) -> None:
-        """Finish the submitted buckets, then free every bucket's communicators (collective)."""
+        """Finish the submitted buckets, then free every bucket's communicators (collective;
+        an unfinished iteration's undo that raises does so after every close)."""
         self.drain()
-        self.close_unfinished(zero=False)
-        for core in self.cores.values():
-            core.close()
-        self.comm.free()
-        self.ctl.free()
+        try:
+            self.close_unfinished(zero=False)
+        finally:
+            for core in self.cores.values():
+                core.close()
+            self.comm.free()
+            self.ctl.free()
 
     # -- one bucket (on the communication thread) -------------------------------------------
     def reduce_bucket(self, index, buf, keys, numels, used, err, last, check_group):
@@ -1665,8 +1668,12 @@ class _Buckets:
         if self.iteration is not None and index in self.iteration.indices:
             # A bucket seen already: the open iteration never reached its last bucket (its
             # backward raised) and this is the next one. Undone, as a failed iteration, but its
-            # buffers are not zeroed: they are this iteration's now.
-            self.close_unfinished(zero=False)
+            # buffers are not zeroed: they are this iteration's now. An undo that raises (it
+            # may on one rank only) fails this bucket in its agreement, on every rank.
+            try:
+                self.close_unfinished(zero=False)
+            except Exception as e:  # noqa: BLE001 - handed to the agreement below
+                err = err or e
         if self.iteration is None:
             self.iteration = _Iteration(self)
         it = self.iteration
@@ -1731,26 +1738,43 @@ class _Buckets:
         its step wrote in place put back, the cores built in the iteration closed and those
         it gave up (a rebuild) back, the carried states as they were; every bucket buffer of
         the iteration zeroed if ``zero``. Local, except the closing (collective, the same on
-        every rank). The buffers first: zero even if a restore raises."""
+        every rank). The buffers first: zero even if a restore raises. A restore that raises
+        (it may on one rank only) stops no close: the first such error is raised after them,
+        so no other rank waits in a close this rank skipped."""
         if zero:
             with torch.no_grad():
                 for buf in it.buffers:
                     buf.zero_()
                     _sync(buf)
+        first, closing = None, []
         for core, snaps, _, undo in it.before.values():
             if any(core is c for c in it.created):
                 continue
-            for name, snap in snaps.items():
-                ar = getattr(core, name)
-                if snap is not None:
-                    ar._restore(snap)
-                elif ar is not None:  # built in this iteration (the warm-up's, say)
-                    ar.close()
-                    setattr(core, name, None)
-            core._unstep(undo)
-        for core in it.created:
-            core.close()
-        self.cores, self.carry, self.carry_full, self.carry_step, self.created = it.saved
+            try:
+                for name, snap in snaps.items():
+                    ar = getattr(core, name)
+                    if snap is not None:
+                        ar._restore(snap)
+                    elif ar is not None:  # built in this iteration (the warm-up's, say)
+                        closing.append(ar)
+                        setattr(core, name, None)
+                core._unstep(undo)
+            except BaseException as e:  # noqa: BLE001 - raised below, after the closes
+                first = first or e
+                for name, snap in snaps.items():  # what this core built in the iteration
+                    ar = getattr(core, name)
+                    if snap is None and ar is not None:
+                        closing.append(ar)
+                        setattr(core, name, None)
+        try:
+            for ar in closing:
+                ar.close()
+            for core in it.created:
+                core.close()
+        finally:
+            self.cores, self.carry, self.carry_full, self.carry_step, self.created = it.saved
+        if first is not None:
+            raise first
 
     def _core_for(self, index, keys, numels, buf, it: _Iteration) -> _Core:
         core = self.cores.get(index)
@@ -1856,7 +1880,15 @@ class _Buckets:
         key into the buckets' allreducers as they are built (whole where a saved bucket had
         the same parameters)."""
         self.drain()
-        err, new = self.restored_error(), None  # agreed below: it may hold on this rank only
+        err, new = None, None
+        try:
+            # An unfinished iteration is undone whatever the load's outcome (it is never
+            # resumed); its undo, a half-restored state (both may hold on this rank only) and a
+            # state that does not load are agreed below, so every rank refuses together.
+            self.close_unfinished(zero=False)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            err = e
+        err = err or self.restored_error()
         try:
             if err is None:
                 new = self._load_local(state)
@@ -1869,7 +1901,6 @@ class _Buckets:
             [name_hash("load_state_dict"), self.step, step],
             {"load_state_dict": self.algorithm, "step before": self.step, "state's step": step},
         )
-        self.close_unfinished(zero=False)
         for core in self.cores.values():
             core.close()
         self.step, stats, self.carry_full, self.carry, self.carry_step = new

@@ -1099,7 +1099,10 @@ def raise_rejected(err, reports) -> NoReturn:
     if err is not None and (isinstance(err, exc) or not isinstance(err, (TypeError, ValueError))):
         raise err  # of the agreed type, or no argument error at all (a fault keeps its type)
     own = "" if err is None else f"; this rank's own: {type(err).__name__}: {err}"
-    raise exc(f"rank {r} rejected its arguments ({kind}: {msg}){own}") from err
+    # An argument error is a rejection; anything else (a state that could not be restored, a
+    # fault) is that rank's failure, and said so.
+    did = "rejected its arguments" if kind in ("TypeError", "ValueError") else "failed"
+    raise exc(f"rank {r} {did} ({kind}: {msg}){own}") from err
 
 
 def agree_on_load(comm: Comm, err, identity, described, loaded=None, prefix: str = "") -> None:

@@ -392,7 +392,7 @@ def test_a_state_not_restored_on_one_rank_is_refused_on_every_rank(comm):
     if comm.rank == 0:
         del red.allreducer._restore
     said = "state could not be restored"
-    match = said if comm.rank == 0 else f"rank 0 rejected its arguments .*{said}"
+    match = said if comm.rank == 0 else f"rank 0 failed \\(RuntimeError: .*{said}"
     error = RuntimeError if comm.rank == 0 else ValueError
     for call in (red.reduce, lambda: red.load_state_dict(state)):
         _backward(model, comm, 3)
@@ -562,3 +562,104 @@ def test_reducer_states_that_fail_in_other_ways_fail_everywhere(comm, bad):
         red.load_state_dict(state)
     _reduce_alike(comm, model, red, range(1, 3))
     assert red.state_dict()["step"] == 3
+
+
+# -- overlap mode: an undo that fails on one rank ------------------------------------------------
+def _overlap_state(comm):
+    """Three parameters (8, 5 and 3 entries), one fake DDP bucket each, and an overlap-mode
+    hook state over them: SparDL at ρ = 0.5, nonfinite="raise", no dense warm-up."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 5, 3)]
+    state = st.SparseHookState(
+        comm,
+        "spardl",
+        0,
+        density=0.5,
+        nonfinite="raise",
+        model=torch.nn.ParameterList(params),
+        overlap=True,
+    )
+    return params, state
+
+
+def _overlap_buckets(comm, state, params, seed, count=3):
+    """A real backward (the used-parameter hooks fire), then its first ``count`` buckets to
+    the hook (count < 3: a backward that stopped early, the iteration left open); the
+    futures' results."""
+    torch.manual_seed(10 * seed + comm.rank)
+    for p in params:
+        p.grad = None
+    sum((p * torch.randn(p.numel())).sum() for p in params).backward()
+    futs = [
+        state._bucket(FakeBucket(b, params[b].grad.clone(), [params[b]], b == 2))
+        for b in range(count)
+    ]
+    return [f.wait() for f in futs]
+
+
+def _fail_undo_on_rank_0(comm, monkeypatch) -> None:
+    if comm.rank == 0:
+
+        def fail(self, undo):
+            raise RuntimeError("injected undo failure")
+
+        monkeypatch.setattr(st._Core, "_unstep", fail)
+
+
+def _raised_here_or_named(comm, said: str):
+    """What every rank raises when rank 0 fails with ``said``: its own error there, the
+    others a ValueError naming rank 0 and its message."""
+    if comm.rank == 0:
+        return pytest.raises(RuntimeError, match=said)
+    return pytest.raises(ValueError, match=f"rank 0 .*{said}")
+
+
+def test_an_unfinished_iteration_not_undone_on_one_rank_fails_the_next_one_everywhere(
+    comm, monkeypatch
+):
+    """Overlap mode: a backward stopped after two of three buckets, and the next iteration's
+    first bucket undoes the open one, which raises on rank 0 only. That error goes to the
+    bucket's agreement, so every rank fails the iteration (rank 0 once raised before it and
+    the others waited there forever); later iterations are refused everywhere, and close()
+    frees every communicator on every rank."""
+    params, state = _overlap_state(comm)
+    _overlap_buckets(comm, state, params, seed=0)
+    assert state.step == 1
+    _overlap_buckets(comm, state, params, seed=1, count=2)
+    _fail_undo_on_rank_0(comm, monkeypatch)
+    with _raised_here_or_named(comm, "injected undo failure"):
+        _overlap_buckets(comm, state, params, seed=2)
+    monkeypatch.undo()
+    with _raised_here_or_named(comm, "could not be restored"):
+        _overlap_buckets(comm, state, params, seed=3)
+    state.close()
+    assert state._core.comm.freed and state._core.ctl.freed
+
+
+@pytest.mark.parametrize("call", ["close", "load_state_dict", "drain"])
+def test_an_unfinished_iteration_whose_undo_fails_on_one_rank_still_closes_everywhere(
+    comm, monkeypatch, call
+):
+    """Overlap mode, a backward stopped after two of three buckets; then ``call`` undoes the
+    open iteration, which raises on rank 0 only. Rank 0 raises its undo's error, after the
+    collective parts every rank makes (the closes; a load's agreement, where the others
+    refuse the load too): none waits for a rank that left. The state is then refused
+    everywhere, and close() frees every communicator."""
+    params, state = _overlap_state(comm)
+    _overlap_buckets(comm, state, params, seed=0)
+    saved = state.state_dict()
+    _overlap_buckets(comm, state, params, seed=1, count=2)
+    _fail_undo_on_rank_0(comm, monkeypatch)
+    if call == "load_state_dict":
+        with _raised_here_or_named(comm, "injected undo failure"):
+            state.load_state_dict(saved)
+    elif comm.rank == 0:
+        with pytest.raises(RuntimeError, match="injected undo failure"):
+            getattr(state, call)()
+    else:
+        getattr(state, call)()
+    monkeypatch.undo()
+    if call != "close":
+        with _raised_here_or_named(comm, "could not be restored"):
+            _overlap_buckets(comm, state, params, seed=3)
+        state.close()
+    assert state._core.comm.freed and state._core.ctl.freed
