@@ -5,6 +5,10 @@
 ``isinstance(v, int)``; every check here rejects it. Range checks stay with their callers, which
 know the range and word it, except the density's (ρ in (0, 1]), which every allreducer, its
 loaded states and the cost model share.
+
+Also the undo of a failed call shared by the allreducers and the PyTorch layer: an undo that
+raises leaves its owner half restored (:func:`undo_or_break`), and every later use of it
+refuses (:func:`restored_error`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ __all__ = [
     "check_density",
     "is_count",
     "malformed",
+    "raise_if",
+    "restored_error",
     "type_name",
+    "undo_or_break",
 ]
 
 
@@ -197,3 +204,54 @@ def check_density(name: str, value, *, numpy: bool = True) -> float:
             shown = f"an integer of {len(str(value))} digits"
         raise ValueError(f"{name} must be in (0, 1], got {shown}")
     return rho
+
+
+def undo_or_break(owner, undo, error: BaseException | None = None) -> None:
+    """Call ``undo()``, which puts back what a failed (``error``, propagating) or skipped call
+    of ``owner`` changed. ``owner`` is anything with a ``broken`` attribute (None while sound):
+    an allreducer, or a core or the hook state of :mod:`spardl.torch`.
+
+    If the undo raises too, the state is half restored: ``owner.broken`` keeps the undo's
+    exception, and every later use refuses (:func:`restored_error`). With ``error``, the
+    undo's failure is attached to it as a note (PEP 678), and this returns so that the caller
+    re-raises ``error``, the one the caller of the failed call must see (an interrupt during
+    the undo still propagates); without it, the undo's exception propagates."""
+    try:
+        undo()
+    except BaseException as e:
+        owner.broken = e
+        if error is None or not isinstance(e, Exception):
+            raise
+        note = (
+            f"undoing it failed too ({type(e).__name__}: {e}): the state could not be "
+            "restored, and this object refuses every later call"
+        )
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        else:  # Python 3.10: where PEP 678's backports read notes
+            error.__notes__ = [*getattr(error, "__notes__", []), note]
+
+
+def restored_error(owners) -> RuntimeError | None:
+    """The error every later use raises if a failed call of one of ``owners`` could not be
+    undone (``broken``, set by :func:`undo_or_break`): a RuntimeError saying that the state
+    could not be restored, the undo's error as its cause; None if every owner is sound. An
+    undo can fail on one rank only, so a collective call hands it to its agreement (every rank
+    raises), never raises it on its own rank before the others' messages."""
+    for owner in owners:
+        if owner.broken is not None:
+            e = owner.broken
+            err = RuntimeError(
+                f"the state could not be restored after a failed call (undoing it raised "
+                f"{type(e).__name__}: {e}): this object cannot go on from it; close it and "
+                "start again from a checkpoint"
+            )
+            err.__cause__ = e
+            return err
+    return None
+
+
+def raise_if(err: BaseException | None) -> None:
+    """Raise ``err`` unless it is None (a local call's refusal: :func:`restored_error`)."""
+    if err is not None:
+        raise err

@@ -39,6 +39,9 @@ from ._checks import (
     malformed,
     type_name,
 )
+from ._checks import raise_if as _raise_if
+from ._checks import restored_error as _restored_error
+from ._checks import undo_or_break as _undo_or_break
 from .algorithms.base import agree_on_load, collective_check, error_report, raise_rejected
 from .comm import Comm, name_hash, new_stats
 
@@ -770,55 +773,6 @@ def _raise_after_backward(err: BaseException) -> None:
         raise err from None
 
 
-def _undo_or_break(owner, undo, error: BaseException | None = None) -> None:
-    """Call ``undo()``, which puts back what a failed (``error``, propagating) or skipped step
-    of ``owner`` (a :class:`_Core` or :class:`_Buckets`) changed.
-
-    If the undo raises too, the state is half restored: ``owner.broken`` keeps the undo's
-    exception, and every later use refuses (:func:`_restored_error`). With ``error``,
-    the undo's failure is attached to it as a note (PEP 678), and this returns so that the
-    caller re-raises ``error``, the one the caller of the step must see (an interrupt during
-    the undo still propagates); without it, the undo's exception propagates."""
-    try:
-        undo()
-    except BaseException as e:
-        owner.broken = e
-        if error is None or not isinstance(e, Exception):
-            raise
-        note = (
-            f"undoing the step failed too ({type(e).__name__}: {e}): the state could not be "
-            "restored, and this object refuses every later call"
-        )
-        if hasattr(error, "add_note"):
-            error.add_note(note)
-        else:  # Python 3.10: where PEP 678's backports read notes
-            error.__notes__ = [*getattr(error, "__notes__", []), note]
-
-
-def _restored_error(owners) -> RuntimeError | None:
-    """The error every later use raises if a failed step of one of ``owners`` could not be
-    undone (``broken``): a RuntimeError saying that the state could not be restored, the
-    undo's error as its cause; None if every owner is sound. An undo can fail on one rank
-    only, so a collective call hands it to its agreement (every rank raises), never raises it
-    on its own rank before the others' messages."""
-    for owner in owners:
-        if owner.broken is not None:
-            e = owner.broken
-            err = RuntimeError(
-                f"the state could not be restored after a failed step (undoing it raised "
-                f"{type(e).__name__}: {e}): this object cannot go on from it; close it and "
-                "start again from a checkpoint"
-            )
-            err.__cause__ = e
-            return err
-    return None
-
-
-def _raise_if(err: BaseException | None) -> None:
-    if err is not None:
-        raise err
-
-
 def _check_frozen_everywhere(names, frozen: np.ndarray, P: int) -> None:
     """Raise (on every rank: ``frozen`` is a reduced count) if a parameter is frozen on some
     ranks and not on others: the ranks that froze it would keep their own gradient while the
@@ -903,8 +857,10 @@ class _Core:
         return self.comm.stats
 
     def restored_error(self) -> RuntimeError | None:
-        """The RuntimeError of a failed step that could not be undone (:func:`_restored_error`)."""
-        return _restored_error([self])
+        """The RuntimeError of a failed step that could not be undone (:func:`_restored_error`),
+        by this core or by one of its allreducers (their own rollback)."""
+        ars = [getattr(self, name) for name in _ALLREDUCERS]
+        return _restored_error([self, *(ar for ar in ars if ar is not None)])
 
     def close(self) -> None:
         """Free the allreducers' communicators, and this core's own (collective)."""
@@ -1605,7 +1561,9 @@ class _Buckets:
     def restored_error(self) -> RuntimeError | None:
         """The RuntimeError of a failed iteration, or of a bucket's failed step, that could not
         be undone (:func:`_restored_error`)."""
-        return _restored_error([self, *self.cores.values()])
+        return _restored_error([self]) or next(
+            (e for e in (c.restored_error() for c in self.cores.values()) if e is not None), None
+        )
 
     @property
     def sparse(self):
@@ -1646,13 +1604,19 @@ class _Buckets:
         """Finish the submitted buckets, then free every bucket's communicators (collective;
         an unfinished iteration's undo that raises does so after every close)."""
         self.drain()
-        try:
-            self.close_unfinished(zero=False)
-        finally:
-            for core in self.cores.values():
-                core.close()
-            self.comm.free()
-            self.ctl.free()
+        first = None
+        for close in (
+            lambda: self.close_unfinished(zero=False),
+            *(core.close for core in self.cores.values()),
+            self.comm.free,
+            self.ctl.free,
+        ):
+            try:
+                close()
+            except BaseException as e:  # noqa: BLE001 - raised below, after every close
+                first = first or e
+        if first is not None:
+            raise first
 
     # -- one bucket (on the communication thread) -------------------------------------------
     def reduce_bucket(self, index, buf, keys, numels, used, err, last, check_group):
@@ -1673,7 +1637,7 @@ class _Buckets:
             try:
                 self.close_unfinished(zero=False)
             except Exception as e:  # noqa: BLE001 - handed to the agreement below
-                err = err or e
+                err = err or self.restored_error() or e  # the RuntimeError saying so
         if self.iteration is None:
             self.iteration = _Iteration(self)
         it = self.iteration
@@ -1878,7 +1842,8 @@ class _Buckets:
     def load_state_dict(self, state) -> None:
         """Collective, all or nothing (as :meth:`_Core.load_state_dict`); the state is carried by
         key into the buckets' allreducers as they are built (whole where a saved bucket had
-        the same parameters)."""
+        the same parameters). An iteration left open by a backward that stopped early is
+        undone first, whether the load is then taken or refused (it is never resumed)."""
         self.drain()
         err, new = None, None
         try:
@@ -1887,7 +1852,7 @@ class _Buckets:
             # state that does not load are agreed below, so every rank refuses together.
             self.close_unfinished(zero=False)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
-            err = e
+            err = self.restored_error() or e  # the RuntimeError saying so, the undo's its cause
         err = err or self.restored_error()
         try:
             if err is None:

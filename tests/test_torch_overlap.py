@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mpirun import ROOT, run_mpi
+from overlap_state import three_parameter_state
 from scripts.fake_bucket import FakeBucket
 
 torch = pytest.importorskip("torch")
@@ -176,19 +177,7 @@ def _three_parameter_state():
     rank: SparDL at ρ = 0.5, nonfinite="raise", no dense warm-up."""
     from mpi4py import MPI
 
-    import spardl.torch as st
-
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 5, 3)]
-    state = st.SparseHookState(
-        MPI.COMM_SELF,
-        "spardl",
-        0,
-        density=0.5,
-        nonfinite="raise",
-        model=torch.nn.ParameterList(params),
-        overlap=True,
-    )
-    return params, state
+    return three_parameter_state(MPI.COMM_SELF)
 
 
 # -- one rank, in this process ------------------------------------------------------------------
@@ -515,6 +504,7 @@ def test_reducer_hands_its_flat_buffer_to_the_allreducer_without_a_copy():
     red._core.sparse.residual = inner.residual
     red._core.sparse.residual_mode = inner.residual_mode
     red._core.sparse.stats = inner.stats
+    red._core.sparse.broken = inner.broken
     model(torch.randn(2, 6)).sum().backward()
     red.reduce()
     flat = red._core.flat

@@ -31,6 +31,9 @@ from .._checks import (
     check_density,
     check_int,
     malformed,
+    raise_if,
+    restored_error,
+    undo_or_break,
 )
 from ..comm import WIRES, Comm, name_hash, signature_digest, signature_field
 from ..cost_model import budget as cost_budget
@@ -201,6 +204,10 @@ class Allreducer:
         #: ``comm`` (none when ``comm`` is a spardl Comm, which it shares) and any split off it.
         self._own_comms: list[Comm] = []
         self._closed = False
+        #: The exception of an undo that raised (:func:`spardl._checks.undo_or_break`): the
+        #: state is half restored, and every later call but :meth:`close` refuses. None while
+        #: sound.
+        self.broken = None
         if isinstance(comm, Comm):
             self.comm = comm
         else:
@@ -385,6 +392,9 @@ class Allreducer:
             steps while another changes the density raises too (the step's own check meets
             this one), unless the allreducer was built with ``check=False``: then, as for any
             mismatched call, the job may hang.
+        RuntimeError
+            On a rank where an earlier call could not be undone (:attr:`broken`); the other
+            ranks raise a ValueError naming it.
         """
         self._check_open()
         err = rho = None
@@ -393,6 +403,7 @@ class Allreducer:
         except (TypeError, ValueError) as e:
             err = e
         ok_float = err is None
+        err = restored_error([self]) or err  # agreed below: it may hold on this rank only
         self.collective_check(
             err,
             [
@@ -533,11 +544,18 @@ class Allreducer:
         OverflowError
             Before anything changes, when ``step`` or the call count is 2**63 - 1 (a state
             saved after one more call would not load).
+        RuntimeError
+            If an earlier call could not be undone on this rank (:attr:`broken`); the other
+            ranks raise a ValueError naming this one (with ``check=False``, only this rank
+            raises).
 
         Notes
         -----
         A call that raises, or is dropped by ``nonfinite="skip"``, leaves the allreducer's
-        state (everything :meth:`state_dict` holds) as it was, on every rank.
+        state (everything :meth:`state_dict` holds) as it was, on every rank. If putting it
+        back raises too, the call's own error is raised with that failure in a note (PEP 678)
+        (a dropped call raises the failure itself), and the allreducer is half restored:
+        every later call but :meth:`close` raises the RuntimeError above.
 
         float16 gradients are summed in float32 and the output rounded once to float16,
         clamped to ±65504 rather than inf; with a residual, each output value's rounding
@@ -549,17 +567,24 @@ class Allreducer:
         # every rank alike, since every rank raises or skips together. The residual is only
         # replaced on success, so the snapshot keeps a reference to it, not a copy.
         self._check_open()
+        refused = restored_error([self])
+        if refused is not None:
+            # Half restored, maybe on this rank only: with check=True every call starts with an
+            # agreement, which this one meets, so that every rank raises.
+            if self.check:
+                self.collective_check(refused, [name_hash(f"{self.name}|refused")], {})
+            raise refused
         self._check_counter_room()
         saved = (self.step, self._calls, self._dtype, self._residual, self._extra_state())
         try:
             out, applied = self._step(grad)
-        except BaseException:
-            self._rollback(saved)
+        except BaseException as e:
+            undo_or_break(self, lambda: self._rollback(saved), e)
             raise
         finally:
             self._pre = None
         if not applied:
-            self._rollback(saved)
+            undo_or_break(self, lambda: self._rollback(saved))
         return out
 
     def _check_counter_room(self) -> None:
@@ -806,7 +831,14 @@ class Allreducer:
             e.g. thresholds, budgets, region boundaries). Not a view: later calls leave it
             unchanged. :meth:`load_state_dict` takes it back, at this world size;
             :mod:`spardl.elastic` folds a set of them into another.
+
+        Raises
+        ------
+        RuntimeError
+            If a failed call could not be undone (:attr:`broken`): a half-restored state is
+            not saved as if it were sound.
         """
+        raise_if(restored_error([self]))
         return {
             "algorithm": self.name,
             "n": self.n,
@@ -853,23 +885,32 @@ class Allreducer:
             step, the call count, the density or what the algorithm's messages depend on
             (:meth:`_state_signature`: Ok-Topk's regions and global threshold, SparDL's h),
             or some rank is not in this load (stepping, say), or the allreducer is closed.
+            A fault while loading (another exception) is a malformed state: a ValueError,
+            the fault as its cause.
+        RuntimeError
+            On a rank where an earlier call could not be undone (:attr:`broken`); the other
+            ranks raise a ValueError naming it. A load whose own undo raises is half restored
+            too (its error carries that failure in a note).
         """
         self._check_open()
-        saved = self._snapshot()
-        err = None
-        try:
-            self._load_local(state)
-        except (TypeError, ValueError) as e:
-            err = e
-            self._restore(saved)
+        calls = self._calls
+        err = restored_error([self])  # agreed below: it may hold on this rank only
+        if err is None:  # a half-restored state is neither read nor loaded into
+            saved = self._snapshot()
+            try:
+                self._load_local(state)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
+                err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
+                undo_or_break(self, lambda: self._restore(saved), err)
         try:
             self._agree_on_load(
                 err,
-                [name_hash(f"{self.name}|load_state_dict"), saved[1]],
-                {"load_state_dict": self.name, "call number before": saved[1]},
+                [name_hash(f"{self.name}|load_state_dict"), calls],
+                {"load_state_dict": self.name, "call number before": calls},
             )
-        except BaseException:
-            self._restore(saved)
+        except BaseException as e:
+            if err is None:  # loaded here: put back (a failed load was put back above)
+                undo_or_break(self, lambda: self._restore(saved), e)
             raise
 
     def _loaded_signature(self) -> tuple[list, dict]:
@@ -928,6 +969,9 @@ class Allreducer:
         """Put back a :meth:`_snapshot`: the density first, then the rest. What derives from
         ρ (block budgets, h, a selector's k) must be the snapshot's before the saved
         thresholds are loaded, which are checked against (and keyed by) those budgets."""
+        # The counters first: plain integers, so they are back even if what follows raises,
+        # and every rank's close() and next agreement compare them.
+        self.step, self._calls = saved[0], saved[1]
         if saved[5] != self.density:
             self._apply_density(saved[5])
         self._rollback(saved[:5])
@@ -1070,9 +1114,12 @@ def collective_check(comm: Comm, err, signature, described) -> None:
     raise ValueError("ranks disagree on " + "; ".join(diffs or ["the call sequence"]))
 
 
-def error_report(err) -> tuple[str, str] | None:
-    """What a rank tells the others of its local error ``err``: (type name, message), or None."""
-    return None if err is None else (type(err).__name__, str(err))
+def error_report(err) -> tuple[str, str, bool] | None:
+    """What a rank tells the others of its local error ``err``: (type name, message, whether
+    it is an argument error: a TypeError or ValueError, subclasses included), or None."""
+    if err is None:
+        return None
+    return (type(err).__name__, str(err), isinstance(err, (TypeError, ValueError)))
 
 
 def raise_rejected(err, reports) -> NoReturn:
@@ -1094,14 +1141,14 @@ def raise_rejected(err, reports) -> NoReturn:
         one naming the first failing rank (and ``err``, from which it is raised). An ``err``
         that is neither (a fault, not an argument error) is raised as it is.
     """
-    r, (kind, msg) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
+    r, (kind, msg, argument) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
     exc = TypeError if kind == "TypeError" else ValueError
     if err is not None and (isinstance(err, exc) or not isinstance(err, (TypeError, ValueError))):
         raise err  # of the agreed type, or no argument error at all (a fault keeps its type)
     own = "" if err is None else f"; this rank's own: {type(err).__name__}: {err}"
     # An argument error is a rejection; anything else (a state that could not be restored, a
     # fault) is that rank's failure, and said so.
-    did = "rejected its arguments" if kind in ("TypeError", "ValueError") else "failed"
+    did = "rejected its arguments" if argument else "failed"
     raise exc(f"rank {r} {did} ({kind}: {msg}){own}") from err
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from mpiutil import assert_identical_everywhere, grads_for
+from overlap_state import three_parameter_state
 from scripts.fake_bucket import FakeBucket
 
 import spardl
@@ -565,34 +566,28 @@ def test_reducer_states_that_fail_in_other_ways_fail_everywhere(comm, bad):
 
 
 # -- overlap mode: an undo that fails on one rank ------------------------------------------------
-def _overlap_state(comm):
-    """Three parameters (8, 5 and 3 entries), one fake DDP bucket each, and an overlap-mode
-    hook state over them: SparDL at ρ = 0.5, nonfinite="raise", no dense warm-up."""
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 5, 3)]
-    state = st.SparseHookState(
-        comm,
-        "spardl",
-        0,
-        density=0.5,
-        nonfinite="raise",
-        model=torch.nn.ParameterList(params),
-        overlap=True,
-    )
-    return params, state
+def _overlap_state(comm, warmup_steps=0, **options):
+    """Three parameters, one fake DDP bucket each (by default), and an overlap-mode hook state
+    over them (:func:`overlap_state.three_parameter_state`)."""
+    return three_parameter_state(comm, warmup_steps, **options)
 
 
-def _overlap_buckets(comm, state, params, seed, count=3):
-    """A real backward (the used-parameter hooks fire), then its first ``count`` buckets to
-    the hook (count < 3: a backward that stopped early, the iteration left open); the
-    futures' results."""
+def _overlap_buckets(comm, state, params, seed, count=3, groups=((0,), (1,), (2,)), nan=False):
+    """A real backward (the used-parameter hooks fire), then its first ``count`` buckets of
+    ``groups`` (parameter positions) to the hook (count < len(groups): a backward that stopped
+    early, the iteration left open), with a NaN in the first one if ``nan``; the futures'
+    results."""
     torch.manual_seed(10 * seed + comm.rank)
     for p in params:
         p.grad = None
     sum((p * torch.randn(p.numel())).sum() for p in params).backward()
-    futs = [
-        state._bucket(FakeBucket(b, params[b].grad.clone(), [params[b]], b == 2))
-        for b in range(count)
-    ]
+    futs = []
+    for b, group in enumerate(groups[:count]):
+        buf = torch.cat([params[i].grad for i in group])
+        if nan and b == 0:
+            buf[0] = float("nan")
+        last = b == len(groups) - 1
+        futs.append(state._bucket(FakeBucket(b, buf, [params[i] for i in group], last)))
     return [f.wait() for f in futs]
 
 
@@ -611,6 +606,23 @@ def _raised_here_or_named(comm, said: str):
     if comm.rank == 0:
         return pytest.raises(RuntimeError, match=said)
     return pytest.raises(ValueError, match=f"rank 0 .*{said}")
+
+
+def _undo_open_iteration(comm, state, call, saved, next_iteration) -> None:
+    """Undo the open iteration by ``call`` ("next": ``next_iteration()``'s first bucket;
+    "drain", "load_state_dict" of ``saved``, "close") while rank 0's undo raises: the bucket
+    and the load raise on every rank (their agreement), drain and close on rank 0 alone."""
+    if call in ("next", "load_state_dict"):
+        with _raised_here_or_named(comm, "injected undo failure"):
+            if call == "next":
+                next_iteration()
+            else:
+                state.load_state_dict(saved)
+    elif comm.rank == 0:
+        with pytest.raises(RuntimeError, match="injected undo failure"):
+            getattr(state, call)()
+    else:
+        getattr(state, call)()
 
 
 def test_an_unfinished_iteration_not_undone_on_one_rank_fails_the_next_one_everywhere(
@@ -649,17 +661,66 @@ def test_an_unfinished_iteration_whose_undo_fails_on_one_rank_still_closes_every
     saved = state.state_dict()
     _overlap_buckets(comm, state, params, seed=1, count=2)
     _fail_undo_on_rank_0(comm, monkeypatch)
-    if call == "load_state_dict":
-        with _raised_here_or_named(comm, "injected undo failure"):
-            state.load_state_dict(saved)
-    elif comm.rank == 0:
-        with pytest.raises(RuntimeError, match="injected undo failure"):
-            getattr(state, call)()
-    else:
-        getattr(state, call)()
+    _undo_open_iteration(comm, state, call, saved, next_iteration=None)
     monkeypatch.undo()
     if call != "close":
         with _raised_here_or_named(comm, "could not be restored"):
             _overlap_buckets(comm, state, params, seed=3)
         state.close()
+    assert state._core.comm.freed and state._core.ctl.freed
+
+
+def test_a_bucket_allreducer_not_rolled_back_on_one_rank_is_refused_before_a_rebuild(comm):
+    """Overlap mode: bucket 0's allreducer cannot roll back its failed step (a NaN) on rank 0
+    only, which leaves that allreducer half restored even though the iteration's undo then
+    restores its snapshot. The next iteration comes with other buckets (DDP's rebuild): its
+    first bucket's agreement must refuse on every rank, where rank 0 once raised alone while
+    saving the buckets' states for the rebuild and the others went on building new ones."""
+    params, state = _overlap_state(comm)
+    _overlap_buckets(comm, state, params, seed=0)
+    ar = state._core.cores[0].sparse
+    if comm.rank == 0:
+        rollback = ar._rollback
+
+        def fail(saved):  # once, after rolling back: the flag alone says "half restored"
+            del ar._rollback
+            rollback(saved)
+            raise RuntimeError("injected rollback failure")
+
+        ar._rollback = fail
+    with pytest.raises(spardl.NonFiniteError):
+        _overlap_buckets(comm, state, params, seed=1, nan=True)
+    assert (ar.broken is not None) == (comm.rank == 0)
+    with _raised_here_or_named(comm, "could not be restored"):
+        _overlap_buckets(comm, state, params, seed=2, groups=((0,), (1, 2)))
+    state.close()
+
+
+@pytest.mark.parametrize("call", ["next", "drain", "load_state_dict", "close"])
+def test_what_an_unfinished_iteration_built_is_closed_everywhere_when_its_undo_fails(
+    comm, monkeypatch, call
+):
+    """Overlap mode with one dense warm-up iteration and parameters of up to 3 entries
+    reduced dense: the first sparse iteration builds bucket 0's dense allreducer of its small
+    parameter, and its backward stops after that bucket. Undoing it (the next iteration's
+    first bucket, drain, a load or close) raises on rank 0 only, after the restores; the
+    allreducer it built is closed on every rank all the same (a rank that skipped that
+    collective close once left the others waiting), and close() frees every communicator."""
+    params, state = _overlap_state(comm, 1, dense_numel=3)
+    groups = ((0, 2), (1,))
+    _overlap_buckets(comm, state, params, seed=0, groups=groups)
+    saved = state.state_dict()
+    _overlap_buckets(comm, state, params, seed=1, groups=groups, count=1)
+    state._core.drain()
+    built = state._core.cores[0].small_dense
+    assert built is not None and not built.closed
+    _fail_undo_on_rank_0(comm, monkeypatch)
+
+    def next_iteration():
+        _overlap_buckets(comm, state, params, seed=2, groups=groups)
+
+    _undo_open_iteration(comm, state, call, saved, next_iteration)
+    monkeypatch.undo()
+    assert built.closed
+    state.close()
     assert state._core.comm.freed and state._core.ctl.freed
