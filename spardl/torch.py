@@ -907,8 +907,8 @@ class _Core:
                 fresh, err = self.sparse._snapshot(), None
                 try:
                     self._apply(self.pending)
-                except (TypeError, ValueError) as e:
-                    err = e
+                except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
+                    err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
                 self.pending = None
                 try:
                     # Every rank's loaded allreducer state agrees (counters, ρ, the algorithm's

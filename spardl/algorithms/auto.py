@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .. import cost_model
-from .._checks import check_counter_room, check_float, check_int
+from .._checks import check_counter_room, check_float, check_int, malformed, undo_or_break
 from ..comm import Comm, name_hash, signature_field, wire_index_dtype
 from ..dtypes import work_dtype
 from .base import Allreducer, Reduced
@@ -355,8 +355,8 @@ class Auto(Allreducer):
             if pending is not None:
                 try:
                     self._set_inner_state(ar, pending)
-                except (TypeError, ValueError) as e:
-                    err = e
+                except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
+                    err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
             try:
                 self.collective_check(
                     err,
@@ -776,13 +776,15 @@ class Auto(Allreducer):
         refuses on some rank (e.g. SparDL's h outside its range on one block's owners) raises
         here on every rank, and every rank keeps its state as it was."""
         self._check_open()
+        if self.broken is not None:  # refused on every rank, the half-restored state unread
+            super().load_state_dict(state)
         saved = self._snapshot()
         super().load_state_dict(state)
         if self._choice in self._pending:  # on every rank alike: the load compared it
             try:
                 self._inner(self._choice)
-            except BaseException:
-                self._restore(saved)
+            except BaseException as e:
+                undo_or_break(self, lambda: self._restore(saved), e)
                 raise
 
     def _legacy_times(self, times):

@@ -966,7 +966,8 @@ class Allreducer:
         )
 
     def _restore(self, saved) -> None:
-        """Put back a :meth:`_snapshot`: the density first, then the rest. What derives from
+        """Put back a :meth:`_snapshot`: the step and call count first (plain integers, that
+        close() and every agreement compare), then the density, then the rest. What derives from
         ρ (block budgets, h, a selector's k) must be the snapshot's before the saved
         thresholds are loaded, which are checked against (and keyed by) those budgets."""
         # The counters first: plain integers, so they are back even if what follows raises,

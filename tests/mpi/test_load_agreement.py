@@ -724,3 +724,29 @@ def test_what_an_unfinished_iteration_built_is_closed_everywhere_when_its_undo_f
     assert built.closed
     state.close()
     assert state._core.comm.freed and state._core.ctl.freed
+
+
+def test_a_fault_applying_a_loaded_hook_state_on_one_rank_fails_everywhere(comm, monkeypatch):
+    """The DDP hook applies a state loaded before its first sparse iteration when it builds
+    its allreducer there; a fault while applying it on rank 0 (injected: no TypeError or
+    ValueError) makes every rank raise, rank 0 a malformed state, where that rank once raised
+    alone and the others waited in the agreement on the loaded state."""
+    model = _model()
+    hook = st.SparseHookState(comm, "spardl", warmup_steps=0, density=0.1, model=model)
+    for s in range(2):
+        _hook_step(comm, model, hook, s)
+    state = hook.state_dict()
+    fresh = st.SparseHookState(comm, "spardl", warmup_steps=0, density=0.1, model=model)
+    fresh.load_state_dict(state)
+    if comm.rank == 0:
+
+        def fault(self, pending):
+            raise ZeroDivisionError("injected apply fault")
+
+        monkeypatch.setattr(st._Core, "_apply", fault)
+    said = r"state is malformed \(ZeroDivisionError: injected apply fault\)"
+    match = said if comm.rank == 0 else rf"rank 0 rejected its arguments \(ValueError: {said}"
+    with pytest.raises(ValueError, match=match):
+        _hook_step(comm, model, fresh, 3)
+    for h in (hook, fresh):
+        h.close()

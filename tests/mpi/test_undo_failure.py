@@ -8,6 +8,8 @@ the single-rank behaviour (notes, every refused call, ``check=False``).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from mpiutil import grads_for
@@ -93,6 +95,14 @@ def test_a_restore_that_fails_after_one_ranks_load_is_refused_on_every_rank(
     _assert_refused_everywhere(comm, ar, state)
 
 
+def _malformed_everywhere(comm, words: str):
+    """What every rank raises when rank 0's state is malformed (``words``: its fault): that
+    ValueError there, the others one naming rank 0 and quoting it."""
+    said = rf"state is malformed \({re.escape(words)}\)"
+    match = said if comm.rank == 0 else rf"rank 0 rejected its arguments \(ValueError: {said}"
+    return pytest.raises(ValueError, match=match)
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_fault_in_one_ranks_load_fails_on_every_rank(comm, algorithm, monkeypatch):
     """Rank 0's load raises a fault (no TypeError or ValueError) after changing its state: every
@@ -106,13 +116,38 @@ def test_a_fault_in_one_ranks_load_fails_on_every_rank(comm, algorithm, monkeypa
             raise ZeroDivisionError("injected load fault")
 
         monkeypatch.setattr(ar, "_load_local", fault)
-    said = r"state is malformed \(ZeroDivisionError: injected load fault\)"
-    match = said if comm.rank == 0 else rf"rank 0 rejected its arguments \(ValueError: {said}"
-    with pytest.raises(ValueError, match=match):
+    with _malformed_everywhere(comm, "ZeroDivisionError: injected load fault"):
         ar.load_state_dict(state)
     monkeypatch.undo()
     after = ar.state_dict()
     assert (after["step"], after["calls"]) == (state["step"], state["calls"])
     ar(grads_for(comm, N, np.float32, seed=90)[comm.rank])
     ar.load_state_dict(state)
+    ar.close()
+
+
+def test_a_fault_in_one_ranks_pending_candidate_state_fails_on_every_rank(comm, monkeypatch):
+    """auto keeps a loaded candidate's state until it builds that candidate, which a load
+    does for the current one. A fault while applying it on rank 0 (injected: no TypeError or
+    ValueError; a SparDL candidate state without its h raised a KeyError there) makes every
+    rank raise, rank 0 a malformed state: that rank once raised alone and the others waited
+    in the build's agreement."""
+    from spardl.algorithms.auto import Auto
+
+    opts = {"candidates": ["topka", "spardl:d=1"], "trials": 1}
+    ar = spardl.make("auto", comm, N, density=0.1, **opts)
+    for s in range(2):
+        ar(grads_for(comm, N, np.float32, seed=80 + s)[comm.rank])
+    state = ar.state_dict()
+    fresh = spardl.make("auto", comm, N, density=0.1, **opts)
+    if comm.rank == 0:
+
+        def fault(self, inner, pending):
+            raise ZeroDivisionError("injected apply fault")
+
+        monkeypatch.setattr(Auto, "_set_inner_state", fault)
+    with _malformed_everywhere(comm, "ZeroDivisionError: injected apply fault"):
+        fresh.load_state_dict(state)
+    monkeypatch.undo()
+    fresh.close()
     ar.close()
