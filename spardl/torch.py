@@ -1809,6 +1809,11 @@ class _Buckets:
     def state_dict(self) -> dict:
         self.drain()
         _raise_if(self.restored_error())  # a half-restored state would be saved as if sound
+        if self.iteration is not None:  # its applied buckets would be saved without the rest
+            raise RuntimeError(
+                "an iteration is open: its backward stopped before DDP's last bucket, so part "
+                "of it is applied; call drain() first (it undoes that iteration), then save"
+            )
         buckets = [
             {"keys": c.keys, "numels": c.numels, "allreducer": c.sparse.state_dict()}
             for _, c in sorted(self.cores.items())
@@ -1998,7 +2003,8 @@ class _Front:
             If a failed step could not be undone (its undo raised): the state is half restored.
             Every later call but :meth:`close` refuses: this one (local) on this rank, the
             collective ones on every rank (this rank's RuntimeError, named by the others in a
-            ValueError).
+            ValueError). In overlap mode also while an iteration is open (a backward that
+            stopped before DDP's last bucket, with some buckets applied): :meth:`drain` first.
         """
         return self._core.state_dict()
 

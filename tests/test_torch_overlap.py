@@ -396,6 +396,8 @@ def test_an_iteration_whose_backward_stopped_early_is_undone(drain, nan):
     if nan:
         buf[3] = float("nan")
     run._bucket(FakeBucket(0, buf, [params[0]], False))  # ... and backward raised here
+    with pytest.raises(RuntimeError, match=r"an iteration is open.*call drain\(\) first"):
+        run.state_dict()  # its first bucket applied (no NaN), the others not: never saved
     if drain:
         run.drain()
         assert _bits(run.state_dict()) == saved and not bool(buf.any())
