@@ -393,6 +393,21 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.synchronize(t.device)
 
 
+def _mask_sent(u: torch.Tensor, res: torch.Tensor, x: torch.Tensor) -> None:
+    """Factor masking: ``u`` zeroed where ``res == 0`` and ``x != 0`` (the velocity where this
+    rank's accumulation X was sent), in one pass on the host
+    (:func:`spardl_kernels.cpu.arrays.mask_sent`), with torch's ops on a device or for a
+    float16 velocity."""
+    work = (torch.float32, torch.float64)
+    if not u.is_cuda and u.dtype in work and res.dtype in work and x.dtype in work:
+        from spardl_kernels.cpu.arrays import mask_sent
+
+        mask_sent(u.numpy(), res.numpy(), x.numpy())
+        return
+    # masked_fill_: no index list, where boolean indexing builds one
+    u.masked_fill_(torch.logical_and(res == 0, x != 0), 0)
+
+
 #: The allreducers' default density (spardl.Allreducer's ``density``).
 _DEFAULT_DENSITY = 0.01
 
@@ -850,6 +865,8 @@ class _Core:
         self.small = []  # (start, end) of the parameters reduced dense (tech.dense_numel)
         self.all_small = False  # every parameter reduced dense: every step is a dense one
         self.small_dense = None  # their dense allreducer
+        self._small_idx = None  # the small slices' indices, one after the other (_result)
+        self._spare_velocity = None  # the buffer the next step's velocity is written into
         self.broken = None  # the error of a failed step's undo (_undo_or_break), if one raised
 
     @property
@@ -886,6 +903,7 @@ class _Core:
         self.all_small = self.n > 0 and all(m <= limit for m in self.numels)
         if self.all_small:
             self.small = []
+        self._small_idx = None
 
     def allreducer(self, dense: bool):
         if dense:
@@ -1020,12 +1038,11 @@ class _Core:
             for a, b in self.small:
                 self.flat[a:b] = small[start : start + b - a]
                 start += b - a
-            out = self._result()
+            out = self._result(out)
         if x_in is not None:
-            # Factor masking: u is zeroed where this rank's accumulation left its residual
-            # (masked_fill_: no index list, where boolean indexing builds one).
-            res = _tensor(ar.residual, self.flat)
-            self.velocity.masked_fill_(torch.logical_and(res == 0, x_in != 0), 0)
+            # Factor masking: u is zeroed where this rank's accumulation left its residual.
+            _mask_sent(self.velocity, _tensor(ar.residual, self.flat), x_in)
+        self._recycle_velocity(u_before)
         if applied:  # the schedules (dense warm-up, density warm-up) count applied steps
             self.step += 1
         return out
@@ -1159,14 +1176,27 @@ class _Core:
             self._unfold_residual(folded)
             self._put_back(holder, kept)
 
-    def _result(self):
-        """The reduced gradient in ``flat`` (sparse part and dense-reduced small parameters) as
-        a SparseResult: its non-zeros, on flat's device."""
+    def _result(self, out):
+        """The reduced gradient in ``flat`` (the sparse part ``out`` written there, and the
+        dense-reduced small parameters) as a SparseResult: its non-zeros, on flat's device.
+
+        They lie among ``out``'s entries and the small slices (``flat`` is zero elsewhere), so
+        only those places are read, not all n (a scan of ``flat`` cost as much as the sparse
+        allreduce's own selection at ρ = 1 %)."""
         from .result import SparseResult
 
-        idx = torch.nonzero(self.flat).flatten()
-        vals = self.flat[idx]
-        return SparseResult._of(_vector(idx), _vector(vals), self.n)
+        flat = self.flat
+        if out.is_dense:
+            idx = torch.nonzero(flat).flatten()
+        else:
+            if self._small_idx is None or self._small_idx.device != flat.device:
+                self._small_idx = torch.cat(
+                    [torch.arange(a, b, device=flat.device) for a, b in self.small]
+                )
+            sparse = _tensor(out.indices, flat).to(torch.int64)
+            idx = torch.unique(torch.cat([sparse, self._small_idx]))  # sorted
+            idx = idx[flat[idx] != 0]
+        return SparseResult._of(_vector(idx), _vector(flat[idx]), self.n)
 
     def _empty(self):
         from .result import SparseResult
@@ -1201,25 +1231,75 @@ class _Core:
         tech = self.tech
         if tech.momentum is None:
             return None, None
-        u = self._velocity()
-        u_before = u.clone()  # a step that raises or is skipped leaves u as it was
-        kept = [(a, b, u[a:b].clone()) for a, b in unused]
-        u.mul_(tech.momentum).add_(self.flat)  # as torch.optim.SGD's momentum buffer
-        for a, b, v in kept:
-            u[a:b] = v
-        self.flat.copy_(u)
-        for a, b, _ in kept:
-            self.flat[a:b].zero_()
         # Dense steps do not mask: everything was sent, and masking would zero u at every step
         # (the warm-up's dense steps, and every step of algorithm="dense").
-        if not tech.factor_masking or dense or ar.name == "dense":
+        mask = tech.factor_masking and not dense and ar.name != "dense"
+        if not self.flat.is_cuda and self.flat.dtype in (torch.float32, torch.float64):
+            return self._accumulate_on_host(ar, unused, mask)
+        return self._accumulate_with_torch(ar, unused, mask)
+
+    def _accumulate_with_torch(self, ar, unused, mask: bool):
+        """:meth:`_accumulate_velocity` in torch's passes (a device, or float16)."""
+        tech, flat = self.tech, self.flat
+        u_before, u = self._velocity(), self._next_velocity_buffer()
+        # As torch.optim.SGD's momentum buffer (u.mul_(m).add_(g)), into the other buffer.
+        torch.mul(u_before, tech.momentum, out=u).add_(flat)
+        for a, b in unused:
+            u[a:b] = u_before[a:b]
+        flat.copy_(u)
+        for a, b in unused:
+            flat[a:b].zero_()
+        self.velocity = u
+        if not mask:
             return u_before, None
         # X = u + E_old, in the allreducer's work dtype and the same float operations.
-        flat = self.flat
         work = torch.float32 if flat.dtype == torch.float16 else flat.dtype
         res = _tensor(ar.residual, flat)
         x_in = torch.add(flat.to(work), res.to(work))  # one pass where no dtype changes
         return u_before, x_in
+
+    def _accumulate_on_host(self, ar, unused, mask: bool):
+        """:meth:`_accumulate_velocity` for a host float32/float64 ``flat``, in one pass
+        (:func:`spardl_kernels.cpu.arrays.accumulate_velocity`)."""
+        from spardl_kernels.cpu.arrays import accumulate_velocity
+
+        flat = self.flat
+        u_before, u = self._velocity(), self._next_velocity_buffer()
+        res = x_in = None
+        if mask:
+            res = _tensor(ar.residual, flat)
+            x_in = torch.empty_like(flat)
+        accumulate_velocity(
+            u_before.numpy(),
+            self.tech.momentum,
+            flat.numpy(),
+            u.numpy(),
+            None if res is None else res.numpy(),
+            None if x_in is None else x_in.numpy(),
+        )
+        for a, b in unused:  # as they were, and out of the step: X = 0 + E there
+            u[a:b] = u_before[a:b]
+            flat[a:b].zero_()
+            if x_in is not None:
+                torch.add(flat[a:b], res[a:b].to(flat.dtype), out=x_in[a:b])
+        self.velocity = u
+        return u_before, x_in
+
+    def _next_velocity_buffer(self) -> torch.Tensor:
+        """The buffer a step writes its new velocity into: the old velocity stays as it was
+        for an undo, without a copy. It is the velocity the last step replaced
+        (:meth:`_recycle_velocity`), or a new one."""
+        u, self._spare_velocity = self._spare_velocity, None  # taken until the step is done
+        flat = self.flat
+        if u is None or u.shape != flat.shape or u.dtype != flat.dtype or u.device != flat.device:
+            u = torch.empty_like(flat)
+        return u
+
+    def _recycle_velocity(self, u_before) -> None:
+        """Keep the velocity a step replaced as the next step's buffer
+        (:meth:`_next_velocity_buffer`), unless the step put it back (an undo)."""
+        if u_before is not None and u_before is not self.velocity:
+            self._spare_velocity = u_before
 
     def _undo(self, ar, u_before, before_density, folded, error=None) -> None:
         """A step that raised (``error``) or was skipped: the velocity, the density and the

@@ -1230,3 +1230,83 @@ def test_layer_passes_reject_what_the_review_found():
     x, i, v = sk.accumulate_above(vals, np.zeros(8, np.float32), 10**400)
     assert i.shape == (0,) and v.shape == (0,)
     assert sk.select_above(vals, -(10**400))[0].tolist() == list(range(8))
+
+
+def _finite_or_inf(dtype):
+    width = np.dtype(dtype).itemsize * 8
+    return st.one_of(
+        st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, 3.0, np.inf, -np.inf]),
+        st.floats(-1e3, 1e3, width=width),
+        st.floats(width=width, allow_nan=False),  # overflows to inf, subnormal products
+    )
+
+
+def _equal_or_both_nan(got, want):
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    assert_same_bits(got[~nan], want[~nan])
+
+
+@SETTINGS
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    m=st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0]),
+    with_x=st.booleans(),
+)
+def test_accumulate_velocity_and_factor_masking_equal_numpy(data, dtype, m, with_x):
+    """Momentum correction's one pass has the bits of NumPy's separate ones (u·m, then + g,
+    then + E: no fused multiply-add), and factor masking zeroes exactly the entries where the
+    residual is zero and X is not."""
+    n = data.draw(st.integers(0, 60))
+    u, g, e, e_after = (
+        data.draw(hnp.arrays(dtype, n, elements=_finite_or_inf(dtype))) for _ in range(4)
+    )
+    e_after[data.draw(hnp.arrays(np.bool_, n))] = 0
+    with np.errstate(all="ignore"):
+        want_u = u * dtype(m) + g
+        want_x = want_u + e
+    u0, g_in, out = u.copy(), g.copy(), np.full(n, 7, dtype)
+    x = np.full(n, 7, dtype) if with_x else None
+    assert host_arrays.accumulate_velocity(u, m, g_in, out, e if with_x else None, x) is out
+    assert_same_bits(u, u0)  # the old velocity is only read
+    _equal_or_both_nan(out, want_u)
+    _equal_or_both_nan(g_in, want_u)
+    if with_x:
+        _equal_or_both_nan(x, want_x)
+        masked = want_u.copy()
+        masked[(e_after == 0) & (want_x != 0)] = 0
+        assert host_arrays.mask_sent(out, e_after, x) is out
+        _equal_or_both_nan(out, masked)
+
+
+def test_momentum_passes_reject_bad_arguments():
+    f4 = lambda: np.ones(3, np.float32)  # noqa: E731
+    u, g, out, e, x = f4(), f4(), f4(), f4(), f4()
+    acc = host_arrays.accumulate_velocity
+    for call, exc, match in (
+        (lambda: acc(np.ones(3, np.float16), 0.9, g, out), TypeError, "^u: dtype"),
+        (lambda: acc(u, 0.9, np.ones(3), out), TypeError, "^g: dtype float64 does not match u"),
+        (lambda: acc(u, 0.9, g, np.ones(4, np.float32)), ValueError, "^out: length 4"),
+        (lambda: acc(u, 0.9, g, u), ValueError, "^out: overlaps u or g"),
+        (lambda: acc(u, 0.9, g, g[::-1]), ValueError, "^out: overlaps u or g"),
+        (lambda: acc(u, True, g, out), TypeError, "^m: must be a real number, got bool"),
+        (lambda: acc(u, "0.9", g, out), TypeError, "^m: must be a real number, got str"),
+        (lambda: acc(u, 0.9, g, out, None, x), ValueError, "^residual: is required with x"),
+        (lambda: acc(u, 0.9, g, out, e, e), ValueError, "^x: overlaps"),
+        (lambda: acc(u, 0.9, g, out, e, g), ValueError, "^x: overlaps"),
+        (lambda: acc(u, 0.9, g, out, e[:2], x), ValueError, "^residual: length 2"),
+        (lambda: host_arrays.mask_sent(u, e, np.ones(2)), ValueError, "^x: length 2"),
+        (lambda: host_arrays.mask_sent(np.ones(3, np.int64), e, x), TypeError, "^u: dtype"),
+        (lambda: host_arrays.mask_sent([1.0, 2.0, 3.0], e, x), TypeError, "^u is written"),
+    ):
+        with pytest.raises(exc, match=match):
+            call()
+    assert (u == 1).all() and (g == 1).all() and (out == 1).all()  # nothing was written
+    g.flags.writeable = False
+    with pytest.raises(ValueError, match="^g: array is read-only"):
+        acc(u, 0.9, g, out)
+    u.flags.writeable = False
+    assert acc(u, 0.5, f4(), out) is out and (out == 1.5).all()  # a read-only u is only read
+    with pytest.raises(ValueError, match="^u: array is read-only"):
+        host_arrays.mask_sent(u, e, x)

@@ -516,3 +516,78 @@ def test_a_model_of_small_parameters_only_is_reduced_dense():
         np.testing.assert_array_equal(b.grad.numpy(), gb)
         np.testing.assert_array_equal(out.to_dense(), np.concatenate([ga, gb]))
     assert not any(v.any() for v in red.residuals().values())
+
+
+def _scan_result(core, out):
+    """The result as a scan of the whole flat buffer finds it (every non-zero)."""
+    from spardl.result import SparseResult
+
+    idx = torch.nonzero(core.flat).flatten()
+    return SparseResult._of(st._vector(idx), st._vector(core.flat[idx]), core.n)
+
+
+def _torch_mask(u, res, x):
+    u.masked_fill_(torch.logical_and(res == 0, x != 0), 0)
+
+
+def _bits(t):
+    t = torch.as_tensor(np.asarray(t))
+    return t.view(torch.int64 if t.element_size() == 8 else torch.int32).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("masking", [True, False])
+@pytest.mark.parametrize("algorithm", ["topka", "spardl"])
+def test_the_one_pass_host_path_has_the_bits_of_torchs_passes(
+    monkeypatch, dtype, masking, algorithm
+):
+    """On the host, momentum correction's accumulation and factor masking take one pass each
+    (spardl_kernels.cpu.arrays) and write the velocity into a second buffer; the result is read
+    at the sparse part's and the small parameters' places only. Over steps with a parameter
+    used every other step, small parameters reduced dense and a step that raises (NaN) in
+    between (and a small parameter whose mean is zero), every gradient, result, velocity and
+    residual has the bits of torch's separate passes and of a scan of the whole buffer."""
+    import spardl
+
+    def run(torch_passes):
+        with monkeypatch.context() as mp:
+            if torch_passes:
+                mp.setattr(st._Core, "_accumulate_on_host", st._Core._accumulate_with_torch)
+                mp.setattr(st, "_mask_sent", _torch_mask)
+                mp.setattr(st._Core, "_result", _scan_result)
+            shapes = {"w1": (30, 10), "bias": (8,), "sometimes": (50,), "w2": (120,)}
+            params = {k: torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for k, s in shapes.items()}
+            red = st.SparseGradientReducer(
+                list(params.items()),
+                MPI.COMM_SELF,
+                algorithm,
+                density=0.05,
+                momentum_correction=0.9,
+                factor_masking=masking,
+                dense_numel=8,
+            )
+            gen = torch.Generator().manual_seed(0)
+            seen = []
+            for step in range(8):
+                for name, p in params.items():
+                    used = name != "sometimes" or step % 2 == 0
+                    p.grad = torch.randn(p.shape, generator=gen, dtype=dtype) if used else None
+                if step == 0:  # a small parameter's mean of zero: no entry of the result
+                    params["bias"].grad.zero_()
+                if step == 4:
+                    params["w2"].grad[3] = float("nan")
+                    with pytest.raises(spardl.NonFiniteError):
+                        red.reduce()
+                    continue
+                out = red.reduce()
+                seen.append([_bits(out.indices), _bits(out.values)])
+                seen.append(
+                    [_bits(p.grad.reshape(-1)) for p in params.values() if p.grad is not None]
+                )
+            seen.append({k: _bits(v) for k, v in red.velocities().items()})
+            seen.append({k: _bits(v) for k, v in red.residuals().items()})
+            return seen
+
+    fast, slow = run(False), run(True)
+    assert fast == slow
+    assert any(v != 0 for v in fast[-2]["sometimes"])  # the velocity of the sometimes-unused one

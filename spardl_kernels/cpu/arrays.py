@@ -26,6 +26,8 @@ __all__ = [
     "set_outside",
     "set_outside_log",
     "sub_members",
+    "mask_sent",
+    "accumulate_velocity",
 ]
 
 
@@ -351,6 +353,137 @@ def sub_members(s, idx, vals, members):
         As :func:`set_outside`.
     """
     return _member_pass(s, idx, vals, members, True, 2)
+
+
+@njit(**JIT)
+def _mask_sent(u, residual, x):
+    for i in range(u.shape[0]):
+        if residual[i] == 0 and x[i] != 0:
+            u[i] = 0
+
+
+@njit(**JIT)
+def _accumulate_velocity(u, m, g, out, residual, x):
+    with_x = x.shape[0] > 0
+    for i in range(u.shape[0]):
+        v = m * u[i] + g[i]
+        out[i] = v
+        g[i] = v
+        if with_x:
+            x[i] = v + residual[i]
+
+
+def accumulate_velocity(u, m, g, out, residual=None, x=None):
+    """Momentum correction's accumulation in one pass: ``out = m·u + g``, written into ``out``
+    and over ``g`` (the allreducer's input), and ``x = out + residual`` when ``x`` is given.
+
+    Deep Gradient Compression's momentum correction (arXiv 1712.01887 §3.2): a rank sparsifies
+    its velocity u ← m·u + g plus its residual E, not its gradient. The old velocity ``u`` is
+    only read (a step that fails puts it back); ``x`` is the accumulation X = u + E that factor
+    masking (:func:`mask_sent`) compares after the step. The operations are those of
+    ``u.mul_(m).add_(g)`` then ``u + E`` (two roundings each, no fused multiply-add), so the
+    bits are those of torch's or NumPy's separate passes.
+
+    Parameters
+    ----------
+    u : ndarray of shape (n,), float32 or float64
+        The velocity before the step (read only).
+    m : real number
+        The momentum coefficient, converted once to u's dtype.
+    g : ndarray of shape (n,), u's dtype, writeable
+        This rank's gradient; overwritten with the new velocity.
+    out : ndarray of shape (n,), u's dtype, writeable
+        Receives the new velocity; must not overlap ``u`` or ``g``.
+    residual : ndarray of shape (n,), float32 or float64, optional
+        The residual E before the step; required with ``x``.
+    x : ndarray of shape (n,), float32 or float64, writeable, optional
+        Receives X = out + residual in x's dtype (the allreducer's work dtype).
+
+    Returns
+    -------
+    ndarray
+        out.
+
+    Raises
+    ------
+    TypeError
+        An array not float32/float64, ``g``'s or ``out``'s dtype not u's, or ``m`` not a real
+        number.
+    ValueError
+        An array not 1-D or of another length than u; ``g``, ``out`` or ``x`` read-only;
+        ``out`` overlapping u or g, ``x`` overlapping any other array; ``x`` without
+        ``residual``.
+    """
+    u = as_array(u, "u")
+    _validate.check_work_array("u", u.ndim, u.dtype, True)
+    g, out = _work_array(g, "g"), _work_array(out, "out")
+    for name, a in (("g", g), ("out", out)):
+        _validate.check_same_length(name, a.shape[0], "u", u.shape[0])
+        _validate.check_same_dtype(name, a.dtype, "u", u.dtype)
+    _validate.require(
+        not np.shares_memory(out, u) and not np.shares_memory(out, g),
+        "out",
+        "overlaps u or g; the old velocity must stay as it was",
+    )
+    _validate.require(
+        isinstance(m, (int, float, np.floating, np.integer)) and not isinstance(m, bool),
+        "m",
+        lambda: f"must be a real number, got {type(m).__name__}",
+        TypeError,
+    )
+    if x is None:
+        x = residual = np.empty(0, u.dtype)
+    else:
+        _validate.require(residual is not None, "residual", "is required with x")
+        x, residual = _work_array(x, "x"), as_array(residual, "residual")
+        _validate.check_work_array("residual", residual.ndim, residual.dtype, True)
+        for name, a in (("x", x), ("residual", residual)):
+            _validate.check_same_length(name, a.shape[0], "u", u.shape[0])
+        _validate.require(
+            not any(np.shares_memory(x, a) for a in (u, g, out, residual)),
+            "x",
+            "overlaps u, g, out or residual",
+        )
+    _accumulate_velocity(u, u.dtype.type(m), g, out, residual, x)
+    return out
+
+
+def mask_sent(u, residual, x):
+    """Factor masking: ``u[i] = 0`` wherever ``residual[i] == 0`` and ``x[i] != 0``, in one pass.
+
+    Deep Gradient Compression's momentum factor masking (arXiv 1712.01887 §3.2): a rank's
+    velocity u is cleared where its accumulation X = u + E was sent, which is where the step left
+    a zero residual though X was not zero. One pass where the mask's NumPy or torch form makes
+    four (two comparisons, their conjunction, the masked write) and allocates three arrays.
+
+    Parameters
+    ----------
+    u : ndarray of shape (n,), float32 or float64, writeable
+        The velocity, masked in place.
+    residual : ndarray of shape (n,), float32 or float64
+        The residual E after the step.
+    x : ndarray of shape (n,), float32 or float64
+        The accumulation X the step selected from (u + E before the step).
+
+    Returns
+    -------
+    ndarray
+        u itself.
+
+    Raises
+    ------
+    TypeError
+        An array not float32/float64.
+    ValueError
+        An array not 1-D, u read-only, or the lengths differ.
+    """
+    u = _work_array(u, "u")
+    residual, x = as_array(residual, "residual"), as_array(x, "x")
+    for name, a in (("residual", residual), ("x", x)):
+        _validate.check_work_array(name, a.ndim, a.dtype, True)
+        _validate.check_same_length(name, a.shape[0], "u", u.shape[0])
+    _mask_sent(u, residual, x)
+    return u
 
 
 def _work_array(x, name="x"):
