@@ -19,6 +19,7 @@ import numpy as np
 
 __all__ = [
     "MAX_WORLD_SIZE",
+    "add_note",
     "check_int",
     "check_int_at_least",
     "check_float",
@@ -28,6 +29,7 @@ __all__ = [
     "check_counter_room",
     "check_density",
     "is_count",
+    "load_error",
     "malformed",
     "raise_if",
     "restored_error",
@@ -159,6 +161,13 @@ def malformed(e: BaseException) -> ValueError:
     return err
 
 
+def load_error(e: Exception) -> Exception:
+    """What a load reports (to its agreement) for the exception ``e`` of taking a state: an
+    argument error (a TypeError or ValueError, :class:`OptionMismatch` included) stays as it
+    is; anything else becomes the malformed-state error (:func:`malformed`), ``e`` its cause."""
+    return e if isinstance(e, (TypeError, ValueError)) else malformed(e)
+
+
 def check_float(name: str, value, *, numpy: bool = True, or_none: bool = False):
     """``value`` itself when it is a real number: a Python ``int`` or ``float``, or a NumPy float
     or integer when ``numpy``; never a bool. With ``or_none``, None passes too (and the message
@@ -222,14 +231,19 @@ def undo_or_break(owner, undo, error: BaseException | None = None) -> None:
         owner.broken = e
         if error is None or not isinstance(e, Exception):
             raise
-        note = (
+        add_note(
+            error,
             f"undoing it failed too ({type(e).__name__}: {e}): the state could not be "
-            "restored, and this object refuses every later call"
+            "restored, and this object refuses every later call",
         )
-        if hasattr(error, "add_note"):
-            error.add_note(note)
-        else:  # Python 3.10: where PEP 678's backports read notes
-            error.__notes__ = [*getattr(error, "__notes__", []), note]
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Attach ``note`` to ``error`` (PEP 678), shown under its message in a traceback."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10: where PEP 678's backports read notes
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
 
 
 def restored_error(owners) -> RuntimeError | None:

@@ -36,7 +36,7 @@ from ._checks import (
     check_int,
     check_int_at_least,
     is_count,
-    malformed,
+    load_error,
     type_name,
 )
 from ._checks import raise_if as _raise_if
@@ -879,6 +879,10 @@ class _Core:
         ars = [getattr(self, name) for name in _ALLREDUCERS]
         return _restored_error([self, *(ar for ar in ars if ar is not None)])
 
+    def drain(self) -> None:
+        """Nothing to wait for: a core's steps run on the caller's thread (overlap mode's
+        :meth:`_Buckets.drain` waits for its communication thread)."""
+
     def close(self) -> None:
         """Free the allreducers' communicators, and this core's own (collective)."""
         for ar in (self.sparse, self.dense, self.small_dense):
@@ -926,7 +930,7 @@ class _Core:
                 try:
                     self._apply(self.pending)
                 except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
-                    err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
+                    err = load_error(e)
                 self.pending = None
                 try:
                     # Every rank's loaded allreducer state agrees (counters, ρ, the algorithm's
@@ -1416,37 +1420,41 @@ class _Core:
         """Collective, all or nothing on every rank: a state invalid on any rank raises on every
         rank and leaves every rank's state (step, counters, velocities, the allreducer's state)
         as it was."""
-        saved = (
-            self.step,
-            self.velocity,
-            self.pending_velocity,
-            copy.deepcopy(self.stats),
-            self.pending,
-            None if self.sparse is None else self.sparse._snapshot(),
-        )
+        step = self.step
         err = self.restored_error()  # agreed below: it may hold on this rank only
-        try:
-            if err is None:
+        saved = None
+        if err is None:  # a half-restored state is neither read nor loaded into
+            saved = (
+                self.velocity,
+                self.pending_velocity,
+                copy.deepcopy(self.stats),
+                self.pending,
+                None if self.sparse is None else self.sparse._snapshot(),
+            )
+            try:
                 self._load_local(state)
-        except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
-            err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
+                err = load_error(e)
         try:
             # The allreducer's loaded state must agree across ranks too (counters, ρ, the
             # algorithm's schedule state); loaded later (pending), it is checked when applied.
             agree_on_load(
                 self.ctl,
                 err,
-                [name_hash("load_state_dict"), saved[0], self.step if err is None else -1],
+                [name_hash("load_state_dict"), step, self.step if err is None else -1],
                 {
                     "load_state_dict": self.algorithm,
-                    "step before": saved[0],
+                    "step before": step,
                     "state's step": self.step if err is None else None,
                 },
                 loaded=self.sparse,
                 prefix="allreducer ",
             )
         except BaseException as e:
-            self.step, self.velocity, self.pending_velocity, stats, self.pending, ar = saved
+            if saved is None:  # refused unread: nothing changed
+                raise
+            self.step = step
+            self.velocity, self.pending_velocity, stats, self.pending, ar = saved
             self.stats.clear()
             self.stats.update(stats)
             if ar is not None:
@@ -1716,8 +1724,11 @@ class _Buckets:
             # may on one rank only) fails this bucket in its agreement, on every rank.
             try:
                 self.close_unfinished(zero=False)
-            except Exception as e:  # noqa: BLE001 - handed to the agreement below
-                err = err or self.restored_error() or e  # the RuntimeError saying so
+            except BaseException as e:  # noqa: BLE001 - handed to the agreement below
+                # An interrupt too: the other ranks wait in that agreement. On this thread it
+                # is no user's (signals reach the main thread), and a torch future takes no
+                # interrupt: it goes as the cause of the RuntimeError saying so.
+                err = err or self.restored_error() or e
         if self.iteration is None:
             self.iteration = _Iteration(self)
         it = self.iteration
@@ -1783,8 +1794,9 @@ class _Buckets:
         it gave up (a rebuild) back, the carried states as they were; every bucket buffer of
         the iteration zeroed if ``zero``. Local, except the closing (collective, the same on
         every rank). The buffers first: zero even if a restore raises. A restore that raises
-        (it may on one rank only) stops no close: the first such error is raised after them,
-        so no other rank waits in a close this rank skipped."""
+        (it may on one rank only) stops no other restore and no close: the first such error is
+        raised after them all, so no other rank waits in a close this rank skipped (what that
+        core's steps wrote in place is then left: it goes back into restored residuals only)."""
         if zero:
             with torch.no_grad():
                 for buf in it.buffers:
@@ -1794,22 +1806,23 @@ class _Buckets:
         for core, snaps, _, undo in it.before.values():
             if any(core is c for c in it.created):
                 continue
-            try:
-                for name, snap in snaps.items():
-                    ar = getattr(core, name)
-                    if snap is not None:
-                        ar._restore(snap)
-                    elif ar is not None:  # built in this iteration (the warm-up's, say)
+            restored = True
+            for name, snap in snaps.items():
+                ar = getattr(core, name)
+                if snap is None:
+                    if ar is not None:  # built in this iteration (the warm-up's, say)
                         closing.append(ar)
                         setattr(core, name, None)
-                core._unstep(undo)
-            except BaseException as e:  # noqa: BLE001 - raised below, after the closes
-                first = first or e
-                for name, snap in snaps.items():  # what this core built in the iteration
-                    ar = getattr(core, name)
-                    if snap is None and ar is not None:
-                        closing.append(ar)
-                        setattr(core, name, None)
+                    continue
+                try:
+                    ar._restore(snap)
+                except BaseException as e:  # noqa: BLE001 - raised below, after the closes
+                    first, restored = first or e, False
+            if restored:  # what the steps wrote in place, into the restored residuals only
+                try:
+                    core._unstep(undo)
+                except BaseException as e:  # noqa: BLE001 - raised below, after the closes
+                    first = first or e
         try:
             for ar in closing:
                 ar.close()
@@ -1936,14 +1949,16 @@ class _Buckets:
             # resumed); its undo, a half-restored state (both may hold on this rank only) and a
             # state that does not load are agreed below, so every rank refuses together.
             self.close_unfinished(zero=False)
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it
-            err = self.restored_error() or e  # the RuntimeError saying so, the undo's its cause
+        except BaseException as e:  # noqa: BLE001 - every rank must hear of it
+            # The RuntimeError saying so, the undo's error its cause; an interrupt as it is: it
+            # propagates (as from _undo_or_break), raised here by the agreement, after it.
+            err = e if not isinstance(e, Exception) else self.restored_error() or e
         err = err or self.restored_error()
         try:
             if err is None:
                 new = self._load_local(state)
         except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
-            err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
+            err = load_error(e)
         step = -1 if new is None else new[0]
         collective_check(
             self.ctl,
@@ -2024,6 +2039,10 @@ class _Front:
             From :meth:`SparseGradientReducer.reduce` or the hook, once closed.
         """
         if not getattr(self, "_closed", False):
+            # The submitted work first (overlap mode's buckets): if that wait raises (an
+            # interrupt), this object is still open, with nothing freed, and close() can be
+            # called again; once closed, a second close() does nothing.
+            self._core.drain()
             self._closed = True
             self._core.close()
 

@@ -352,6 +352,35 @@ def test_a_restore_that_raises_keeps_the_steps_error_and_refuses_every_later_cal
     red.close()
 
 
+def test_a_half_restored_reducer_refuses_a_load_without_reading_its_allreducer(monkeypatch):
+    """A reducer whose allreducer could not be restored (``broken``) refuses a load with the
+    RuntimeError saying so, without taking a snapshot of that allreducer first: its state is
+    half restored, and is neither read nor loaded into."""
+    p = torch.nn.Parameter(torch.zeros(40))
+    red = st.SparseGradientReducer([p], MPI.COMM_SELF, "topka", density=0.1)
+    p.grad = torch.randn(40)
+    red.reduce()
+    state = red.state_dict()
+    red.allreducer.broken = RuntimeError("injected undo failure")
+    read = []
+    monkeypatch.setattr(type(red.allreducer), "_snapshot", lambda self: read.append(self))
+    with pytest.raises(RuntimeError, match="state could not be restored"):
+        red.load_state_dict(state)
+    assert read == []
+    red.close()
+
+
+def test_plain_state_takes_a_bfloat16_tensor():
+    """tests/plain_state.py on a bfloat16 tensor (NumPy has no bfloat16): its values exactly,
+    under its own dtype, so that it never equals a float32 tensor of the same values."""
+    a = torch.tensor([1.0, -2.5, 0.0, 3.0e38], dtype=torch.bfloat16)
+    kind, dtype, shape, _ = plain_state({"r": a})["r"]
+    assert (kind, dtype, shape) == ("tensor", "torch.bfloat16", (4,))
+    assert plain_state(a) == plain_state(a.clone())
+    assert plain_state(a) != plain_state(a.float())
+    assert plain_state(a) != plain_state(-a)
+
+
 def test_velocity_follows_each_parameter_into_another_layout():
     a, b = torch.nn.Parameter(torch.zeros(30)), torch.nn.Parameter(torch.zeros(20))
     red = st.SparseGradientReducer(

@@ -260,6 +260,29 @@ def test_an_undo_that_raises_keeps_the_buckets_error_and_refuses_every_later_cal
     state.close()
 
 
+def test_a_close_whose_wait_for_the_buckets_raises_leaves_the_state_open(monkeypatch):
+    """One rank: close() first waits for the buckets handed to the communication thread; if
+    that wait raises (an interrupt, injected), the hook state is still open, nothing freed,
+    and a second close() closes it (it once said closed, with its work pending, and a
+    second close() did nothing: the communicators were never freed)."""
+    import spardl.torch as st
+
+    params, state = _three_parameter_state()
+    _iteration(state, params, [[0], [1], [2]], seed=0)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(st._Buckets, "drain", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        state.close()
+    monkeypatch.undo()
+    assert not (state._core.comm.freed or state._core.ctl.freed)
+    state.load_state_dict(state.state_dict())  # still open: a closed one refuses
+    state.close()
+    assert state._core.comm.freed and state._core.ctl.freed
+
+
 @pytest.mark.parametrize("mode", ["skip", "raise"])
 def test_a_failing_iteration_that_rebuilds_the_buckets_midway_is_undone(mode):
     """One rank, fake buckets: bucket 0 keeps its parameters and is applied, then bucket 1

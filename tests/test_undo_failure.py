@@ -138,6 +138,39 @@ def test_a_fault_in_a_load_is_a_malformed_state_and_changes_nothing(monkeypatch,
     ar.close()
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_restore_that_fails_inside_a_faulty_load_keeps_the_fault_as_the_cause(algorithm):
+    """A fault while ``_load_local`` applies a state (in the algorithm's own state, the
+    counters changed already), and putting the state back there raises too (injected, once):
+    the load raises the malformed state of the fault, the fault its cause and the restore's
+    failure in a note (the restore's failure once became the cause, and the message, hiding
+    the fault); load_state_dict's own restore then puts the state back, and it goes on."""
+    ar = _stepped(algorithm)
+    state = ar.state_dict()
+    ar(_grad(5))
+    before = plain_state(ar.state_dict())
+
+    def fault(extra):  # once: the restores load their saved extra state
+        del ar._load_extra_state
+        raise ZeroDivisionError("injected load fault")
+
+    def fail(saved):  # once: load_state_dict's own restore then works
+        del ar._restore
+        raise RuntimeError("injected undo failure")
+
+    ar._load_extra_state, ar._restore = fault, fail
+    said = r"state is malformed \(ZeroDivisionError: injected load fault\)"
+    with pytest.raises(ValueError, match=said) as info:
+        ar.load_state_dict(state)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert "injected undo failure" in _notes(info.value)
+    assert ar.broken is None
+    assert plain_state(ar.state_dict()) == before
+    ar(_grad(6))
+    ar.load_state_dict(state)
+    ar.close()
+
+
 @pytest.mark.parametrize(
     ("error", "words"),
     [

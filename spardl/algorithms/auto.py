@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .. import cost_model
-from .._checks import check_counter_room, check_float, check_int, malformed, undo_or_break
+from .._checks import check_counter_room, check_float, check_int, load_error, undo_or_break
 from ..comm import Comm, name_hash, signature_field, wire_index_dtype
 from ..dtypes import work_dtype
 from .base import Allreducer, Reduced
@@ -356,7 +356,7 @@ class Auto(Allreducer):
                 try:
                     self._set_inner_state(ar, pending)
                 except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
-                    err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
+                    err = load_error(e)
             try:
                 self.collective_check(
                     err,

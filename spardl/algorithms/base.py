@@ -24,12 +24,14 @@ import spardl_kernels as K
 from .. import _arrays as A
 from .._checks import (
     OptionMismatch,
+    add_note,
     check_bool,
     check_choice,
     check_counter,
     check_counter_room,
     check_density,
     check_int,
+    load_error,
     malformed,
     raise_if,
     restored_error,
@@ -630,8 +632,16 @@ class Allreducer:
             return None
         return pre
 
-    def _rollback(self, saved) -> None:
+    def _rollback(self, saved, density=None) -> None:
+        """Put back the snapshot ``saved`` of a step (step, call count, dtype, residual, the
+        algorithm's own state), the counters first: plain integers, so they are back even if
+        what follows raises, and every rank's close() and next agreement compare them. With
+        ``density`` (a load's snapshot, :meth:`_restore`), ρ and what derives from it go back
+        before the algorithm's own state, whose saved thresholds are checked against (and keyed
+        by) the budgets of their own density."""
         self.step, self._calls, self._dtype, self._residual, extra = saved
+        if density is not None and density != self.density:
+            self._apply_density(density)
         self._load_extra_state(extra)
 
     def _accept(self, grad):
@@ -900,7 +910,7 @@ class Allreducer:
             try:
                 self._load_local(state)
             except Exception as e:  # noqa: BLE001 - every rank must hear of any failure
-                err = e if isinstance(e, (TypeError, ValueError)) else malformed(e)
+                err = load_error(e)
                 undo_or_break(self, lambda: self._restore(saved), err)
         try:
             self._agree_on_load(
@@ -966,19 +976,17 @@ class Allreducer:
         )
 
     def _restore(self, saved) -> None:
-        """Put back a :meth:`_snapshot`: the step and call count first (plain integers, that
-        close() and every agreement compare), then the density, then the rest. What derives from
-        ρ (block budgets, h, a selector's k) must be the snapshot's before the saved
-        thresholds are loaded, which are checked against (and keyed by) those budgets."""
-        # The counters first: plain integers, so they are back even if what follows raises,
-        # and every rank's close() and next agreement compare them.
-        self.step, self._calls = saved[0], saved[1]
-        if saved[5] != self.density:
-            self._apply_density(saved[5])
-        self._rollback(saved[:5])
+        """Put back a :meth:`_snapshot` (:meth:`_rollback` with its density): the step and call
+        count first (plain integers, that close() and every agreement compare), then the
+        density, then the algorithm's own state. What derives from ρ (block budgets, h, a
+        selector's k) must be the snapshot's before the saved thresholds are loaded, which are
+        checked against (and keyed by) those budgets."""
+        self._rollback(saved[:5], density=saved[5])
 
     def _load_local(self, state) -> None:
-        """:meth:`load_state_dict` on this rank alone (no messages); all or nothing here."""
+        """:meth:`load_state_dict` on this rank alone (no messages); all or nothing here, but
+        for a restore that raises after a failed load (noted on the load's error; every caller
+        then restores from its own snapshot)."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict (from state_dict()), got {type(state).__name__}")
         missing = [
@@ -1018,12 +1026,27 @@ class Allreducer:
             if density != self.density:  # saved after set_density: ρ, k and what derives
                 self._apply_density(density)
             self._load_extra_state(extra)
-        except OptionMismatch:  # saved under another option: said as it is
-            self._restore(saved)
+        except OptionMismatch as e:  # saved under another option: said as it is
+            self._restore_after_load(saved, e)
             raise
         except Exception as e:  # noqa: BLE001 - a malformed state: restored, then a ValueError
+            err = malformed(e)
+            self._restore_after_load(saved, err)
+            raise err from e
+
+    def _restore_after_load(self, saved, err) -> None:
+        """Put back the :meth:`_snapshot` ``saved`` after :meth:`_load_local` failed with
+        ``err``. A restore that raises is noted on ``err``, which stays the error to raise (its
+        cause the load's own fault): every caller of :meth:`_load_local` restores its own
+        snapshot after a failure, and marks the state half restored if that raises too."""
+        try:
             self._restore(saved)
-            raise malformed(e) from e
+        except Exception as undo:  # noqa: BLE001 - noted: the load's error is the one to see
+            add_note(
+                err,
+                f"putting the state back failed here ({type(undo).__name__}: {undo}); the "
+                "caller's undo tries again",
+            )
 
     @staticmethod
     def _check_loaded_counters(state, what: str = "state") -> None:

@@ -591,11 +591,11 @@ def _overlap_buckets(comm, state, params, seed, count=3, groups=((0,), (1,), (2,
     return [f.wait() for f in futs]
 
 
-def _fail_undo_on_rank_0(comm, monkeypatch) -> None:
+def _fail_undo_on_rank_0(comm, monkeypatch, error=RuntimeError) -> None:
     if comm.rank == 0:
 
         def fail(self, undo):
-            raise RuntimeError("injected undo failure")
+            raise error("injected undo failure")
 
         monkeypatch.setattr(st._Core, "_unstep", fail)
 
@@ -667,6 +667,42 @@ def test_an_unfinished_iteration_whose_undo_fails_on_one_rank_still_closes_every
         with _raised_here_or_named(comm, "could not be restored"):
             _overlap_buckets(comm, state, params, seed=3)
         state.close()
+    assert state._core.comm.freed and state._core.ctl.freed
+
+
+@pytest.mark.parametrize("call", ["next", "load_state_dict"])
+def test_an_interrupted_undo_of_an_unfinished_iteration_on_one_rank_fails_everywhere(
+    comm, monkeypatch, call
+):
+    """As above, but rank 0's undo raises KeyboardInterrupt (no Exception): it still goes to
+    the agreement of the bucket or the load that undid the open iteration, so every rank
+    raises there (rank 0 once raised before that agreement and the others waited in it). A
+    load raises the interrupt itself on rank 0 (an interrupt propagates, as from
+    ``undo_or_break``); a bucket, on the communication thread (whose torch futures take no
+    interrupt), the RuntimeError saying that the state could not be restored, its cause the
+    interrupt. The others raise a ValueError naming rank 0's error."""
+    params, state = _overlap_state(comm)
+    _overlap_buckets(comm, state, params, seed=0)
+    saved = state.state_dict()
+    _overlap_buckets(comm, state, params, seed=1, count=2)
+    _fail_undo_on_rank_0(comm, monkeypatch, KeyboardInterrupt)
+    if call == "load_state_dict":
+        kind, said = KeyboardInterrupt, r"injected undo failure\)"
+    else:
+        kind, said = RuntimeError, ".*could not be restored .*KeyboardInterrupt: injected undo"
+    if comm.rank == 0:
+        raised = pytest.raises(kind, match="injected undo failure")
+    else:
+        raised = pytest.raises(ValueError, match=rf"rank 0 failed \({kind.__name__}: {said}")
+    with raised:
+        if call == "next":
+            _overlap_buckets(comm, state, params, seed=2)
+        else:
+            state.load_state_dict(saved)
+    monkeypatch.undo()
+    with _raised_here_or_named(comm, "could not be restored"):
+        _overlap_buckets(comm, state, params, seed=3)
+    state.close()
     assert state._core.comm.freed and state._core.ctl.freed
 
 
