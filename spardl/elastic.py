@@ -430,16 +430,8 @@ def _load_folded(ar: Allreducer, state: dict) -> None:
             work = work_dtype(ar._dtype) if ar._dtype is not None else np.dtype(np.float32)
             ar._residual = np.array(res, dtype=work, copy=True)
     except Exception as e:  # noqa: BLE001 - restored, then reported as a malformed state
-        _restore(ar, saved)
+        ar._restore(saved)
         raise malformed(e) from e
-
-
-def _restore(ar: Allreducer, saved) -> None:
-    """Undo :func:`_load_folded` (the density first: the saved thresholds are checked
-    against the budgets of their own density)."""
-    if ar.density != saved[5]:
-        ar._apply_density(saved[5])
-    ar._rollback(saved[:5])
 
 
 # -- the collective loads -------------------------------------------------------------------------
@@ -549,7 +541,7 @@ def _load(obj, states, world_size, err) -> None:
             {"elastic load": obj.name, "state's call number": obj._calls if err is None else None},
         )
     except BaseException:
-        _restore(obj, saved)
+        obj._restore(saved)
         raise
 
 
