@@ -1311,6 +1311,8 @@ class _Core:
 
         def undo():
             if u_before is not None:
+                if self.velocity is not u_before:  # the step's new one: the next step's buffer
+                    self._spare_velocity = self.velocity
                 self.velocity = u_before
             if before_density is not None:
                 ar._restore(before_density)

@@ -1438,7 +1438,13 @@ def _load_checkpoint(ck: dict, model, opt, target, job) -> None:
     the hook state) from this rank's checkpoint; a checkpoint of another world size is folded
     into this one (:func:`spardl.elastic.load_rank_states`)."""
     model.load_state_dict(ck["model"])
+    # A param group's implementation flags come back from the checkpoint: keep this run's (a
+    # checkpoint written before the fused AdamW would turn it off; one written with it would
+    # fail at the first step under a torch that has no fused CPU AdamW).
+    impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in opt.param_groups]
     opt.load_state_dict(ck["optimizer"])
+    for group, flags in zip(opt.param_groups, impl, strict=True):
+        group.update(flags)
     if "resize" in ck:
         from .elastic import load_rank_states
 

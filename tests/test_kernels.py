@@ -1293,6 +1293,14 @@ def test_momentum_passes_reject_bad_arguments():
         (lambda: acc(u, True, g, out), TypeError, "^m: must be a real number, got bool"),
         (lambda: acc(u, "0.9", g, out), TypeError, "^m: must be a real number, got str"),
         (lambda: acc(u, 0.9, g, out, None, x), ValueError, "^residual: is required with x"),
+        (lambda: acc(u, 0.9, g, out, e), ValueError, "^residual: is read only with x"),
+        (lambda: acc(u, 1e39, g, out), ValueError, "^m: must be finite in float32"),
+        (lambda: acc(u, 10**400, g, out), ValueError, "^m: must be finite in float32"),
+        (lambda: acc(u, 0.9, u, out), ValueError, "^g: overlaps u"),
+        (lambda: acc(u, 0.9, g, out, g, x), ValueError, "^residual: overlaps g or out"),
+        (lambda: acc(u, 0.9, g, out, out, x), ValueError, "^residual: overlaps g or out"),
+        (lambda: host_arrays.mask_sent(u, u, x), ValueError, "^residual: overlaps u"),
+        (lambda: host_arrays.mask_sent(u, e, u[::-1]), ValueError, "^x: overlaps u"),
         (lambda: acc(u, 0.9, g, out, e, e), ValueError, "^x: overlaps"),
         (lambda: acc(u, 0.9, g, out, e, g), ValueError, "^x: overlaps"),
         (lambda: acc(u, 0.9, g, out, e[:2], x), ValueError, "^residual: length 2"),
@@ -1308,5 +1316,10 @@ def test_momentum_passes_reject_bad_arguments():
         acc(u, 0.9, g, out)
     u.flags.writeable = False
     assert acc(u, 0.5, f4(), out) is out and (out == 1.5).all()  # a read-only u is only read
+    # a residual wider than x is rounded to x's dtype first, as torch's residual.to(x.dtype)
+    wide = np.array([2.0**-24 + 2.0**-50], np.float64)
+    one, x1 = np.ones(1, np.float32), np.empty(1, np.float32)
+    acc(np.zeros(1, np.float32), 0.9, one.copy(), np.empty(1, np.float32), wide, x1)
+    assert x1[0] == np.float32(1) + wide.astype(np.float32)[0] == np.float32(1)
     with pytest.raises(ValueError, match="^u: array is read-only"):
         host_arrays.mask_sent(u, e, x)

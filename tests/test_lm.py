@@ -296,3 +296,25 @@ def test_evaluation_passes_keep_their_attention_scores_bounded():
     for heads, context in [(1, 1), (3, 1000), (8, 3000)]:
         w = lm.eval_windows(heads, context)
         assert 1 <= w <= 16 and (w == 1 or w * heads * context**2 <= lm.EVAL_MAX_SCORES)
+
+
+def test_a_resumed_optimizer_keeps_this_runs_adamw_implementation():
+    """A checkpoint's param groups carry their optimizer's implementation flags: one written
+    before the job used torch's fused AdamW would turn it off at a resume (the step 5× slower),
+    one written with it would fail under a torch without a fused CPU AdamW. The run's own
+    flags are kept; the optimizer's state comes from the checkpoint."""
+    from types import SimpleNamespace
+
+    from spardl.train import _load_checkpoint
+
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(3, 2)
+    old = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+    model(torch.ones(1, 3)).sum().backward()
+    old.step()
+    ck = {"model": model.state_dict(), "optimizer": old.state_dict(), "reducer": {}}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+    _load_checkpoint(ck, model, opt, SimpleNamespace(load_state_dict=lambda s: None), None)
+    group = opt.param_groups[0]
+    assert group["fused"] is True and group["foreach"] is None
+    assert group["lr"] == 0.01 and opt.state[model.weight]["step"] == 1

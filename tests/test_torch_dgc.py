@@ -564,24 +564,46 @@ def _bits(t):
     return t.view(torch.int64 if t.element_size() == 8 else torch.int32).tolist()
 
 
+def _cloning_accumulate(core, ar, unused, mask):
+    """Momentum correction as torch's separate passes on the velocity itself, the old one
+    cloned for an undo (what the host's one pass and second buffer replace)."""
+    flat, u = core.flat, core._velocity()
+    u_before = u.clone()
+    kept = [(a, b, u[a:b].clone()) for a, b in unused]
+    u.mul_(core.tech.momentum).add_(flat)
+    for a, b, v in kept:
+        u[a:b] = v
+    flat.copy_(u)
+    for a, b, _ in kept:
+        flat[a:b].zero_()
+    if not mask:
+        return u_before, None
+    return u_before, torch.add(flat, st._tensor(ar.residual, flat).to(flat.dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("masking", [True, False])
 @pytest.mark.parametrize("algorithm", ["topka", "spardl"])
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
 def test_the_one_pass_host_path_has_the_bits_of_torchs_passes(
-    monkeypatch, dtype, masking, algorithm
+    monkeypatch, dtype, masking, algorithm, nonfinite
 ):
     """On the host, momentum correction's accumulation and factor masking take one pass each
-    (spardl_kernels.cpu.arrays) and write the velocity into a second buffer; the result is read
-    at the sparse part's and the small parameters' places only. Over steps with a parameter
-    used every other step, small parameters reduced dense and a step that raises (NaN) in
-    between (and a small parameter whose mean is zero), every gradient, result, velocity and
-    residual has the bits of torch's separate passes and of a scan of the whole buffer."""
+    (spardl_kernels.cpu.arrays) and write the velocity into a second buffer, recycled; the
+    result is read at the sparse part's and the small parameters' places only. Over two dense
+    warm-up steps and sparse ones, a parameter unused right after the warm-up (zero residual,
+    non-zero velocity) and every other step after, small parameters reduced dense (one with a
+    mean of zero), and a step with a NaN (raised or skipped) followed by more steps, every
+    gradient, result, velocity and residual has the bits of torch's passes on the velocity
+    itself with a clone for the undo, and of a scan of the whole buffer."""
     import spardl
 
-    def run(torch_passes):
+    def run(reference):
         with monkeypatch.context() as mp:
-            if torch_passes:
-                mp.setattr(st._Core, "_accumulate_on_host", st._Core._accumulate_with_torch)
+            if reference:
+                mp.setattr(st._Core, "_accumulate_on_host", _cloning_accumulate)
+                mp.setattr(st._Core, "_accumulate_with_torch", _cloning_accumulate)
+                mp.setattr(st._Core, "_recycle_velocity", lambda core, u: None)
                 mp.setattr(st, "_mask_sent", _torch_mask)
                 mp.setattr(st._Core, "_result", _scan_result)
             shapes = {"w1": (30, 10), "bias": (8,), "sometimes": (50,), "w2": (120,)}
@@ -594,20 +616,23 @@ def test_the_one_pass_host_path_has_the_bits_of_torchs_passes(
                 momentum_correction=0.9,
                 factor_masking=masking,
                 dense_numel=8,
+                warmup_steps=2,
+                nonfinite=nonfinite,
             )
             gen = torch.Generator().manual_seed(0)
             seen = []
-            for step in range(8):
+            for step in range(10):
                 for name, p in params.items():
-                    used = name != "sometimes" or step % 2 == 0
+                    used = name != "sometimes" or step in (0, 1, 4, 6, 8)
                     p.grad = torch.randn(p.shape, generator=gen, dtype=dtype) if used else None
                 if step == 0:  # a small parameter's mean of zero: no entry of the result
                     params["bias"].grad.zero_()
-                if step == 4:
+                if step == 5:
                     params["w2"].grad[3] = float("nan")
-                    with pytest.raises(spardl.NonFiniteError):
-                        red.reduce()
-                    continue
+                    if nonfinite == "raise":
+                        with pytest.raises(spardl.NonFiniteError):
+                            red.reduce()
+                        continue
                 out = red.reduce()
                 seen.append([_bits(out.indices), _bits(out.values)])
                 seen.append(

@@ -373,6 +373,24 @@ def _accumulate_velocity(u, m, g, out, residual, x):
             x[i] = v + residual[i]
 
 
+def _momentum(m, dtype):
+    """``m`` as a finite number of ``dtype`` (TypeError for a non-number, ValueError when it is
+    not finite there)."""
+    _validate.require(
+        isinstance(m, (int, float, np.floating, np.integer)) and not isinstance(m, bool),
+        "m",
+        lambda: f"must be a real number, got {type(m).__name__}",
+        TypeError,
+    )
+    with np.errstate(over="ignore"):
+        try:
+            mm = np.asarray(m, dtype=dtype)[()]
+        except OverflowError:
+            mm = np.asarray(np.inf, dtype=dtype)[()]
+    _validate.require(bool(np.isfinite(mm)), "m", lambda: f"must be finite in {dtype}, got {m!r}")
+    return mm
+
+
 def accumulate_velocity(u, m, g, out, residual=None, x=None):
     """Momentum correction's accumulation in one pass: ``out = m·u + g``, written into ``out``
     and over ``g`` (the allreducer's input), and ``x = out + residual`` when ``x`` is given.
@@ -395,7 +413,8 @@ def accumulate_velocity(u, m, g, out, residual=None, x=None):
     out : ndarray of shape (n,), u's dtype, writeable
         Receives the new velocity; must not overlap ``u`` or ``g``.
     residual : ndarray of shape (n,), float32 or float64, optional
-        The residual E before the step; required with ``x``.
+        The residual E before the step; given with ``x`` and only then. A residual wider than
+        ``x`` is rounded to x's dtype first.
     x : ndarray of shape (n,), float32 or float64, writeable, optional
         Receives X = out + residual in x's dtype (the allreducer's work dtype).
 
@@ -411,8 +430,9 @@ def accumulate_velocity(u, m, g, out, residual=None, x=None):
         number.
     ValueError
         An array not 1-D or of another length than u; ``g``, ``out`` or ``x`` read-only;
-        ``out`` overlapping u or g, ``x`` overlapping any other array; ``x`` without
-        ``residual``.
+        ``m`` not finite in u's dtype; ``g`` overlapping u, ``out`` overlapping u or g,
+        ``residual`` overlapping g or out, ``x`` overlapping any other array; ``x`` without
+        ``residual`` or ``residual`` without ``x``.
     """
     u = as_array(u, "u")
     _validate.check_work_array("u", u.ndim, u.dtype, True)
@@ -420,18 +440,15 @@ def accumulate_velocity(u, m, g, out, residual=None, x=None):
     for name, a in (("g", g), ("out", out)):
         _validate.check_same_length(name, a.shape[0], "u", u.shape[0])
         _validate.check_same_dtype(name, a.dtype, "u", u.dtype)
+    _validate.require(not np.shares_memory(g, u), "g", "overlaps u; u is only read")
     _validate.require(
         not np.shares_memory(out, u) and not np.shares_memory(out, g),
         "out",
         "overlaps u or g; the old velocity must stay as it was",
     )
-    _validate.require(
-        isinstance(m, (int, float, np.floating, np.integer)) and not isinstance(m, bool),
-        "m",
-        lambda: f"must be a real number, got {type(m).__name__}",
-        TypeError,
-    )
+    m = _momentum(m, u.dtype)
     if x is None:
+        _validate.require(residual is None, "residual", "is read only with x; pass both or neither")
         x = residual = np.empty(0, u.dtype)
     else:
         _validate.require(residual is not None, "residual", "is required with x")
@@ -440,11 +457,20 @@ def accumulate_velocity(u, m, g, out, residual=None, x=None):
         for name, a in (("x", x), ("residual", residual)):
             _validate.check_same_length(name, a.shape[0], "u", u.shape[0])
         _validate.require(
+            not any(np.shares_memory(residual, a) for a in (g, out)),
+            "residual",
+            "overlaps g or out, which the pass writes",
+        )
+        _validate.require(
             not any(np.shares_memory(x, a) for a in (u, g, out, residual)),
             "x",
             "overlaps u, g, out or residual",
         )
-    _accumulate_velocity(u, u.dtype.type(m), g, out, residual, x)
+        if residual.dtype.itemsize > x.dtype.itemsize:
+            # Rounded to x's dtype first, as torch's residual.to(x.dtype) + u: one rounding
+            # of a wider sum would differ.
+            residual = residual.astype(x.dtype)
+    _accumulate_velocity(u, m, g, out, residual, x)
     return out
 
 
@@ -475,13 +501,14 @@ def mask_sent(u, residual, x):
     TypeError
         An array not float32/float64.
     ValueError
-        An array not 1-D, u read-only, or the lengths differ.
+        An array not 1-D, u read-only, the lengths differ, or residual or x overlapping u.
     """
     u = _work_array(u, "u")
     residual, x = as_array(residual, "residual"), as_array(x, "x")
     for name, a in (("residual", residual), ("x", x)):
         _validate.check_work_array(name, a.ndim, a.dtype, True)
         _validate.check_same_length(name, a.shape[0], "u", u.shape[0])
+        _validate.require(not np.shares_memory(a, u), name, "overlaps u, which the pass writes")
     _mask_sent(u, residual, x)
     return u
 
