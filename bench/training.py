@@ -294,8 +294,9 @@ def _args(argv):
     p.add_argument(
         "--density-warmup",
         type=NONNEGATIVE_INT,
-        default=46,
-        help="steps of the density warm-up in the configs that have one (default: %(default)s)",
+        default=None,
+        help="steps of the density warm-up in the configs that have one (default: digits 46; "
+        "lm a sixth of the steps, 800 for the default 4,800)",
     )
     p.add_argument(
         "--bandwidth",
@@ -306,6 +307,11 @@ def _args(argv):
     p.add_argument("--out", type=output_dir, default="runs/bench-training")
     p.add_argument("--timeout", type=POSITIVE_FLOAT, default=900, help="per job, seconds")
     args = p.parse_args(argv)
+    if args.density_warmup is None:
+        from spardl import lm
+
+        steps = args.steps if args.steps is not None else lm.DEFAULTS["steps"]
+        args.density_warmup = round(steps / 6) if args.task == "lm" else 46
     # spardl train refuses an option of the other task, but only once the job has started
     for other, names in _TASK_ONLY.items():
         for name in names:

@@ -315,3 +315,16 @@ def test_the_training_bench_passes_its_learning_rate_to_every_run(tmp_path):
     assert argv[argv.index("--lr") + 1] == "0.003"
     default = bench._args(["--task", "lm", "--configs", "dense"])
     assert "--lr" not in bench._train_args(default, "dense", 0, tmp_path)
+
+
+def test_the_density_warmup_defaults_to_a_sixth_of_the_lm_steps():
+    """The language model's runs warm the density up over a sixth of their steps (800 of the
+    job's 4,800), the digits runs over 46 steps; a given value is kept."""
+    bench = _load_script("training")
+    assert bench._args(["--task", "lm", "--configs", "dense"]).density_warmup == 800
+    assert (
+        bench._args(["--task", "lm", "--steps", "600", "--configs", "dense"]).density_warmup == 100
+    )
+    assert bench._args(["--configs", "dense"]).density_warmup == 46
+    given = bench._args(["--task", "lm", "--density-warmup", "5", "--configs", "dense"])
+    assert given.density_warmup == 5
