@@ -612,7 +612,11 @@ def test_model_size_counts_the_model_built(option, numel):
     [
         (["--context", "100000"], "--context must be at most"),
         (["--batch-size", "100000"], "--batch-size × --context must be at most 1048576"),
-        (["--context", "8192"], "--batch-size × --context² must be at most 268435456"),
+        # 8 windows of 8,192: 2**29 scores (the job's default batch is one window)
+        (
+            ["--batch-size", "8", "--context", "8192"],
+            "--batch-size × --context² must be at most 268435456",
+        ),
     ],
 )
 def test_lm_sizes_are_bounded_usage_errors(option, message):
