@@ -12,6 +12,9 @@ hyper-parameters; with ``--bandwidth`` each job runs on P fresh emulated nodes (
 it with the raw metrics to ``--out``/summary.json, and a time-to-accuracy plot (test accuracy
 against seconds inside the training loop, evaluation excluded) to ``--out``/time-to-accuracy.png.
 
+``--reuse`` reads a run whose directory already holds a completed run with the same options and
+links instead of running it again, so a table of many runs can be built over several invocations.
+
 "Time to dense − 1 pt" is the training time a run needs to first reach the dense run's final test
 accuracy minus one point (same seed), at epoch granularity; "—" if it never does.
 
@@ -183,6 +186,16 @@ def _plot(rows, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _seconds(s: float | None) -> str:
+    """A job's seconds for a table; "—" where unknown (a reused run made without this script)."""
+    return "—" if s is None else f"{s:.1f}"
+
+
+def _ratio(tt: float | None, td: float | None) -> str:
+    """A run's time to the target over dense's; "—" if either never reached it."""
+    return "—" if tt is None or not td else f"{tt / td:.2f}"
+
+
 def _lm_table(rows, dense_by_seed: dict, where: str, density: float) -> list[str]:
     """The Markdown table of an lm run: final validation bits/char, bytes, time to dense + 3%."""
     m0 = rows[0][2]
@@ -205,7 +218,7 @@ def _lm_table(rows, dense_by_seed: dict, where: str, density: float) -> list[str
             f"| {label} | {seed} | {bpc:.3f} | {100 * (bpc / dense_bpc - 1):+.2f} "
             f"| {100 * m['final_val_accuracy']:.2f}% | {m['bytes_sent_per_rank'] / 1e6:.3f} "
             f"| {frac:.2f}% | {m['train_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
-            f"| {'—' if tt is None or not td else f'{tt / td:.2f}'} | {m['job_seconds']:.1f} |"
+            f"| {_ratio(tt, td)} | {_seconds(m['job_seconds'])} |"
         )
     return lines
 
@@ -233,7 +246,7 @@ def _digits_table(rows, dense_by_seed: dict, where: str, density: float) -> list
             f"| {label} | {seed} | {100 * m['final_test_accuracy']:.2f}% | {delta:+.2f} "
             f"| {m['bytes_sent_per_rank'] / 1e6:.3f} | {frac:.2f}% "
             f"| {m['train_seconds']:.1f} | {'—' if tt is None else f'{tt:.1f}'} "
-            f"| {'—' if tt is None or not td else f'{tt / td:.2f}'} | {m['job_seconds']:.1f} |"
+            f"| {_ratio(tt, td)} | {_seconds(m['job_seconds'])} |"
         )
     return lines
 
@@ -306,6 +319,13 @@ def _args(argv):
     )
     p.add_argument("--out", type=output_dir, default="runs/bench-training")
     p.add_argument("--timeout", type=POSITIVE_FLOAT, default=900, help="per job, seconds")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="read a run whose directory under --out already holds a completed run with the "
+        "same options and links instead of running it again (so a long table can be built over "
+        "several invocations); the code is not compared, so reuse runs of the same tree only",
+    )
     args = p.parse_args(argv)
     if args.density_warmup is None:
         from spardl import lm
@@ -361,16 +381,56 @@ def _train_args(args, label: str, seed: int, out: Path) -> list[str]:
     return train_args
 
 
+def reusable(out: Path, train_args: list[str], world_size: int, bandwidth) -> dict | None:
+    """The metrics of an earlier run in ``out`` that this one would repeat, else None.
+
+    An earlier run counts if its metrics.json says it completed (not a run stopped early, nor one
+    resumed from a checkpoint), records every option this run would record with the same value
+    (:func:`spardl.train.recorded_options`), and ran on the same links (``bench-run.json``,
+    which this script writes beside it; a run without one counts only on shared memory). The
+    code is not compared: reuse runs of the same tree.
+    """
+    from spardl.train import recorded_options
+
+    try:
+        m = json.loads((out / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(m, dict) or m.get("completed") is not True or "resumed_from" in m:
+        return None
+    try:
+        ran = json.loads((out / "bench-run.json").read_text())
+    except OSError:
+        ran = {"bandwidth": None, "job_seconds": None}
+    except ValueError:
+        return None
+    if ran.get("bandwidth") != bandwidth:
+        return None
+    expected = recorded_options(train_args, world_size)
+    if any(k not in m or m[k] != v for k, v in expected.items()):
+        return None
+    m["job_seconds"] = ran.get("job_seconds")
+    return m
+
+
 def _run_all(args, configs: list[str]) -> list[tuple[str, int, dict]]:
-    """Run every config at every seed as its own job; (label, seed, metrics) per run."""
+    """Run every config at every seed as its own job (or, with ``--reuse``, read a run that
+    :func:`reusable` accepts); (label, seed, metrics) per run."""
     rows = []
     for seed in args.seeds:
         for label in configs:
             out = args.out / f"{label}-seed{seed}"
             train_args = _train_args(args, label, seed, out)
-            job_s = launch_train(args.world_size, train_args, args.timeout, args.bandwidth)
-            m = json.loads((out / "metrics.json").read_text())
-            m["job_seconds"] = job_s
+            m = reusable(out, train_args, args.world_size, args.bandwidth) if args.reuse else None
+            if m is not None:
+                print(f"reusing {out}: a completed run with these options", flush=True)
+            else:
+                job_s = launch_train(args.world_size, train_args, args.timeout, args.bandwidth)
+                (out / "bench-run.json").write_text(
+                    json.dumps({"bandwidth": args.bandwidth, "job_seconds": job_s}) + "\n"
+                )
+                m = json.loads((out / "metrics.json").read_text())
+                m["job_seconds"] = job_s
             rows.append((label, seed, m))
     return rows
 

@@ -1502,6 +1502,43 @@ def _run_metrics(args, P: int, n_params: int) -> dict:
     }
 
 
+def recorded_options(train_args: list[str], P: int) -> dict:
+    """The options a run of ``spardl train TRAIN_ARGS`` at world size P records in its
+    metrics.json, with the defaults filled in as the run fills them.
+
+    Parameters
+    ----------
+    train_args : list of str
+        Arguments of ``spardl train`` (as ``launch_train`` takes them).
+    P : int
+        The world size.
+
+    Returns
+    -------
+    dict
+        The keys of :func:`_run_metrics` but ``n_params``, and the task's own options
+        (``epochs`` and ``model`` for digits; ``steps``, ``eval_every``, ``layers``,
+        ``heads``, ``context`` and ``lr_warmup`` for lm): a completed run whose
+        metrics.json holds these values ran with these options.
+
+    Raises
+    ------
+    UsageError
+        For arguments the job itself would refuse before training (:func:`run`'s checks that
+        need no MPI); SystemExit for ones its parser refuses.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="spardl train")
+    add_arguments(p)
+    args = p.parse_args(train_args)
+    _resolve_task(args)
+    _check_args(args, P)
+    opts = _run_metrics(args, P, 0)
+    del opts["n_params"]
+    return {**opts, **{k: getattr(args, k) for k in _TASK_ONLY[args.task]}}
+
+
 def _plot_lm(metrics: dict, path: Path) -> None:
     import matplotlib
 

@@ -328,3 +328,38 @@ def test_the_density_warmup_defaults_to_a_sixth_of_the_lm_steps():
     assert bench._args(["--configs", "dense"]).density_warmup == 46
     given = bench._args(["--task", "lm", "--density-warmup", "5", "--configs", "dense"])
     assert given.density_warmup == 5
+
+
+def test_reuse_reads_a_completed_run_with_the_same_options_and_reruns_any_other(
+    tmp_path, monkeypatch, capsys
+):
+    """--reuse: a second invocation reads the runs the first made (no job starts); a run with
+    any other option, stopped early, resumed, or made on other links is run again."""
+    bench = _load_script("training")
+    argv = ["-n", "2", "--configs", "dense", "--epochs", "1", "--out", str(tmp_path), "--reuse"]
+    assert bench.main(argv) == 0  # nothing to reuse yet: runs the dense job
+    out = tmp_path / "dense-seed0"
+    first = json.loads((out / "metrics.json").read_text())
+
+    def no_job(*a, **k):
+        raise AssertionError("a job started although its run could be reused")
+
+    monkeypatch.setattr(bench, "launch_train", no_job)
+    capsys.readouterr()
+    assert bench.main(argv) == 0
+    assert f"reusing {out}" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["runs"][0]["final_test_accuracy"] == first["final_test_accuracy"]
+
+    args = bench._args(argv)
+    train_args = bench._train_args(args, "dense", 0, out)
+    assert bench.reusable(out, train_args, 2, None) is not None
+    other = bench._train_args(bench._args([*argv, "--lr", "0.01"]), "dense", 0, out)
+    assert bench.reusable(out, other, 2, None) is None  # another learning rate
+    assert bench.reusable(out, train_args, 3, None) is None  # another world size
+    assert bench.reusable(out, train_args, 2, "1gbit") is None  # other links
+    for change in ({"completed": False}, {"resumed_from": {"epoch": 1}}, {"lr": None}):
+        (out / "metrics.json").write_text(json.dumps({**first, **change}))
+        assert bench.reusable(out, train_args, 2, None) is None, change
+    (out / "metrics.json").write_text("{not json")
+    assert bench.reusable(out, train_args, 2, None) is None
