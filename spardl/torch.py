@@ -393,13 +393,18 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.synchronize(t.device)
 
 
+def _host_kernels_take(*tensors: torch.Tensor) -> bool:
+    """Whether the host kernels of :mod:`spardl_kernels.cpu.arrays` take these tensors: all on
+    the host, all float32 or float64 (else torch's own passes do the work)."""
+    return all(not t.is_cuda and t.dtype in (torch.float32, torch.float64) for t in tensors)
+
+
 def _mask_sent(u: torch.Tensor, res: torch.Tensor, x: torch.Tensor) -> None:
     """Factor masking: ``u`` zeroed where ``res == 0`` and ``x != 0`` (the velocity where this
     rank's accumulation X was sent), in one pass on the host
     (:func:`spardl_kernels.cpu.arrays.mask_sent`), with torch's ops on a device or for a
     float16 velocity."""
-    work = (torch.float32, torch.float64)
-    if not u.is_cuda and u.dtype in work and res.dtype in work and x.dtype in work:
+    if _host_kernels_take(u, res, x):
         from spardl_kernels.cpu.arrays import mask_sent
 
         mask_sent(u.numpy(), res.numpy(), x.numpy())
@@ -984,9 +989,13 @@ class _Core:
         dense = self.step < self.warmup_steps or self.all_small
         ar = self.allreducer(dense)
         before_density = self._warm_density(ar, dense)
-        if self.tech.clip_norm is not None:
-            self._clip()
-        u_before, x_in = self._accumulate_velocity(ar, unused, dense)
+        try:
+            if self.tech.clip_norm is not None:
+                self._clip()
+            u_before, x_in = self._accumulate_velocity(ar, unused, dense)
+        except BaseException as e:  # the velocity is set only at its end: the density back
+            self._undo(ar, None, before_density, [], e)
+            raise
         holder = self.sparse if not dense or self.all_small else None  # the residual's owner
         # Set aside first: an unused parameter's residual is neither folded into the dense part
         # below nor selected by the sparse one.
@@ -1238,41 +1247,41 @@ class _Core:
         # Dense steps do not mask: everything was sent, and masking would zero u at every step
         # (the warm-up's dense steps, and every step of algorithm="dense").
         mask = tech.factor_masking and not dense and ar.name != "dense"
-        if not self.flat.is_cuda and self.flat.dtype in (torch.float32, torch.float64):
-            return self._accumulate_on_host(ar, unused, mask)
-        return self._accumulate_with_torch(ar, unused, mask)
-
-    def _accumulate_with_torch(self, ar, unused, mask: bool):
-        """:meth:`_accumulate_velocity` in torch's passes (a device, or float16)."""
-        tech, flat = self.tech, self.flat
+        flat = self.flat
         u_before, u = self._velocity(), self._next_velocity_buffer()
-        # As torch.optim.SGD's momentum buffer (u.mul_(m).add_(g)), into the other buffer.
-        torch.mul(u_before, tech.momentum, out=u).add_(flat)
-        for a, b in unused:
+        res = _tensor(ar.residual, flat) if mask else None
+        if _host_kernels_take(flat, u_before):
+            x_in = self._accumulate_on_host(u_before, u, res)
+        else:
+            x_in = self._accumulate_with_torch(u_before, u, res)
+        for a, b in unused:  # as they were, and out of the step: X = 0 + E there
             u[a:b] = u_before[a:b]
-        flat.copy_(u)
-        for a, b in unused:
             flat[a:b].zero_()
+            if x_in is not None:
+                torch.add(flat[a:b].to(x_in.dtype), res[a:b].to(x_in.dtype), out=x_in[a:b])
         self.velocity = u
-        if not mask:
-            return u_before, None
-        # X = u + E_old, in the allreducer's work dtype and the same float operations.
-        work = torch.float32 if flat.dtype == torch.float16 else flat.dtype
-        res = _tensor(ar.residual, flat)
-        x_in = torch.add(flat.to(work), res.to(work))  # one pass where no dtype changes
         return u_before, x_in
 
-    def _accumulate_on_host(self, ar, unused, mask: bool):
-        """:meth:`_accumulate_velocity` for a host float32/float64 ``flat``, in one pass
+    def _accumulate_with_torch(self, u_before, u, res):
+        """:meth:`_accumulate_velocity`'s u ← m·u + g into ``u`` and ``flat``, and X = u + E
+        (``res``) if given, in torch's passes (a device, or float16); returns X or None."""
+        flat = self.flat
+        # As torch.optim.SGD's momentum buffer (u.mul_(m).add_(g)), into the other buffer.
+        torch.mul(u_before, self.tech.momentum, out=u).add_(flat)
+        flat.copy_(u)
+        if res is None:
+            return None
+        # X = u + E_old, in the allreducer's work dtype and the same float operations.
+        work = torch.float32 if flat.dtype == torch.float16 else flat.dtype
+        return torch.add(flat.to(work), res.to(work))  # one pass where no dtype changes
+
+    def _accumulate_on_host(self, u_before, u, res):
+        """:meth:`_accumulate_with_torch` for a host float32/float64 ``flat``, in one pass
         (:func:`spardl_kernels.cpu.arrays.accumulate_velocity`)."""
         from spardl_kernels.cpu.arrays import accumulate_velocity
 
         flat = self.flat
-        u_before, u = self._velocity(), self._next_velocity_buffer()
-        res = x_in = None
-        if mask:
-            res = _tensor(ar.residual, flat)
-            x_in = torch.empty_like(flat)
+        x_in = None if res is None else torch.empty_like(flat)
         accumulate_velocity(
             u_before.numpy(),
             self.tech.momentum,
@@ -1281,13 +1290,7 @@ class _Core:
             None if res is None else res.numpy(),
             None if x_in is None else x_in.numpy(),
         )
-        for a, b in unused:  # as they were, and out of the step: X = 0 + E there
-            u[a:b] = u_before[a:b]
-            flat[a:b].zero_()
-            if x_in is not None:
-                torch.add(flat[a:b], res[a:b].to(flat.dtype), out=x_in[a:b])
-        self.velocity = u
-        return u_before, x_in
+        return x_in
 
     def _next_velocity_buffer(self) -> torch.Tensor:
         """The buffer a step writes its new velocity into: the old velocity stays as it was
@@ -1682,6 +1685,12 @@ class _Buckets:
             try:
                 fut.set_result(work())
             except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                if not isinstance(e, Exception):  # a torch future takes an Exception only
+                    stopped = RuntimeError(
+                        f"a bucket's allreduce was stopped by {type(e).__name__}: {e}"
+                    )
+                    stopped.__cause__ = e
+                    e = stopped
                 fut.set_exception(e)
             finally:
                 jobs.task_done()

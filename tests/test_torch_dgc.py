@@ -321,6 +321,37 @@ def test_a_rejected_step_in_the_density_warmup_leaves_the_state_as_it_was(nonfin
     assert repr(plain_state(after)) == repr(plain_state(before))
 
 
+def test_a_step_whose_accumulation_raises_puts_the_warmups_density_back(monkeypatch):
+    """The warm-up moves the density before momentum correction's accumulation; when the
+    accumulation raises (injected), the density and the rest of the state are as before the
+    step, and the next step runs."""
+    p = torch.nn.Parameter(torch.zeros(400))
+    red = st.SparseGradientReducer(
+        [p], MPI.COMM_SELF, "spardl", density=0.01, density_warmup=4, momentum_correction=0.9
+    )
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        p.grad = torch.from_numpy(rng.standard_normal(400).astype(np.float32))
+        red.reduce()
+    before, density = red.state_dict(), red.allreducer.density
+
+    def fail(self, ar, unused, dense):
+        raise RuntimeError("injected accumulation failure")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(st._Core, "_accumulate_velocity", fail)
+        p.grad = torch.from_numpy(rng.standard_normal(400).astype(np.float32))
+        with pytest.raises(RuntimeError, match="injected accumulation failure"):
+            red.reduce()
+    assert red.allreducer.density == density
+    after = red.state_dict()
+    before.pop("stats"), after.pop("stats")
+    assert repr(plain_state(after)) == repr(plain_state(before))
+    p.grad = torch.from_numpy(rng.standard_normal(400).astype(np.float32))
+    red.reduce()
+    assert red.allreducer.density < density  # the schedule goes on from the step it was at
+
+
 def test_a_restore_that_raises_keeps_the_steps_error_and_refuses_every_later_call(monkeypatch):
     """A step of the density warm-up raises NonFiniteError and putting its density back raises
     too (injected): the caller sees the NonFiniteError, the restore's failure in a note (it once
@@ -564,9 +595,11 @@ def _bits(t):
     return t.view(torch.int64 if t.element_size() == 8 else torch.int32).tolist()
 
 
-def _cloning_accumulate(core, ar, unused, mask):
+def _cloning_accumulate(core, ar, unused, dense):
     """Momentum correction as torch's separate passes on the velocity itself, the old one
-    cloned for an undo (what the host's one pass and second buffer replace)."""
+    cloned for an undo (what the host's one pass and second buffer replace); factor masking's
+    X on the sparse steps of a sparse allreducer."""
+    mask = core.tech.factor_masking and not dense and ar.name != "dense"
     flat, u = core.flat, core._velocity()
     u_before = u.clone()
     kept = [(a, b, u[a:b].clone()) for a, b in unused]
@@ -585,8 +618,9 @@ def _cloning_accumulate(core, ar, unused, mask):
 @pytest.mark.parametrize("masking", [True, False])
 @pytest.mark.parametrize("algorithm", ["topka", "spardl"])
 @pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+@pytest.mark.parametrize("path", ["host", "torch"])
 def test_the_one_pass_host_path_has_the_bits_of_torchs_passes(
-    monkeypatch, dtype, masking, algorithm, nonfinite
+    monkeypatch, dtype, masking, algorithm, nonfinite, path
 ):
     """On the host, momentum correction's accumulation and factor masking take one pass each
     (spardl_kernels.cpu.arrays) and write the velocity into a second buffer, recycled; the
@@ -595,14 +629,17 @@ def test_the_one_pass_host_path_has_the_bits_of_torchs_passes(
     non-zero velocity) and every other step after, small parameters reduced dense (one with a
     mean of zero), and a step with a NaN (raised or skipped) followed by more steps, every
     gradient, result, velocity and residual has the bits of torch's passes on the velocity
-    itself with a clone for the undo, and of a scan of the whole buffer."""
+    itself with a clone for the undo, and of a scan of the whole buffer. ``path="torch"``
+    runs the passes a device (or float16) takes, torch's ops into the second buffer, on the
+    host."""
     import spardl
 
     def run(reference):
         with monkeypatch.context() as mp:
+            if path == "torch":
+                mp.setattr(st, "_host_kernels_take", lambda *tensors: False)
             if reference:
-                mp.setattr(st._Core, "_accumulate_on_host", _cloning_accumulate)
-                mp.setattr(st._Core, "_accumulate_with_torch", _cloning_accumulate)
+                mp.setattr(st._Core, "_accumulate_velocity", _cloning_accumulate)
                 mp.setattr(st._Core, "_recycle_velocity", lambda core, u: None)
                 mp.setattr(st, "_mask_sent", _torch_mask)
                 mp.setattr(st._Core, "_result", _scan_result)

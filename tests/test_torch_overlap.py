@@ -580,3 +580,32 @@ def test_residual_view_is_zero_copy_on_the_cpu():
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_bucket_stopped_by_a_base_exception_fails_its_future_and_the_thread_serves_on():
+    """A bucket's work that raises a BaseException that is no Exception (SystemExit here;
+    torch's Future.set_exception refuses one, which killed the communication thread and left
+    the caller waiting forever): its future fails with a RuntimeError caused by it, and the
+    next bucket is still served."""
+    import queue
+    import threading
+
+    import spardl.torch as st
+
+    jobs = queue.Queue()
+    threading.Thread(target=st._Buckets._serve, args=(jobs,), daemon=True).start()
+
+    def stop():
+        raise SystemExit(3)
+
+    stopped, served = torch.futures.Future(), torch.futures.Future()
+    jobs.put((stop, stopped))
+    jobs.put((lambda: torch.ones(2), served))
+    waiter = threading.Thread(target=jobs.join, daemon=True)
+    waiter.start()
+    waiter.join(60)
+    assert not waiter.is_alive(), "the communication thread stopped serving"
+    with pytest.raises(RuntimeError, match="stopped by SystemExit: 3") as info:
+        stopped.wait()
+    assert isinstance(info.value.__cause__, SystemExit)
+    assert served.wait().tolist() == [1.0, 1.0]
