@@ -12,8 +12,10 @@ hyper-parameters; with ``--bandwidth`` each job runs on P fresh emulated nodes (
 it with the raw metrics to ``--out``/summary.json, and a time-to-accuracy plot (test accuracy
 against seconds inside the training loop, evaluation excluded) to ``--out``/time-to-accuracy.png.
 
-``--reuse`` reads a run whose directory already holds a completed run with the same options and
-links instead of running it again, so a table of many runs can be built over several invocations.
+``--reuse`` reads a run that an earlier invocation made into the same directory, completed with
+the same options on the same links and host, instead of running it again, so a table of many runs
+can be built over several invocations (``bench-run.json`` beside each run's metrics.json records
+its links, job seconds, host and commit).
 
 "Time to dense − 1 pt" is the training time a run needs to first reach the dense run's final test
 accuracy minus one point (same seed), at epoch granularity; "—" if it never does.
@@ -25,7 +27,9 @@ the dense run's final bits per character + 3%, at evaluation granularity.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -322,9 +326,10 @@ def _args(argv):
     p.add_argument(
         "--reuse",
         action="store_true",
-        help="read a run whose directory under --out already holds a completed run with the "
-        "same options and links instead of running it again (so a long table can be built over "
-        "several invocations); the code is not compared, so reuse runs of the same tree only",
+        help="read a run this script made earlier into the same directory under --out, "
+        "completed with the same options on the same links and host, instead of running it "
+        "again (so a long table can be built over several invocations); the code is not "
+        "compared (each run's commit is in its bench-run.json): reuse runs of the same tree",
     )
     args = p.parse_args(argv)
     if args.density_warmup is None:
@@ -381,35 +386,72 @@ def _train_args(args, label: str, seed: int, out: Path) -> list[str]:
     return train_args
 
 
+def _tree() -> str | None:
+    """This tree's commit (short hash, "+dirty" with uncommitted changes), None outside git."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def _run_record(out: Path, bandwidth, job_seconds: float) -> dict:
+    """What ``bench-run.json`` says of the run just made in ``out``: its links, job seconds,
+    host and tree, and a digest of the metrics.json it wrote (which :func:`reusable` checks)."""
+    return {
+        "bandwidth": bandwidth,
+        "job_seconds": job_seconds,
+        "host": socket.gethostname(),
+        "commit": _tree(),
+        "metrics_sha256": hashlib.sha256((out / "metrics.json").read_bytes()).hexdigest(),
+    }
+
+
 def reusable(out: Path, train_args: list[str], world_size: int, bandwidth) -> dict | None:
     """The metrics of an earlier run in ``out`` that this one would repeat, else None.
 
     An earlier run counts if its metrics.json says it completed (not a run stopped early, nor one
     resumed from a checkpoint), records every option this run would record with the same value
-    (:func:`spardl.train.recorded_options`), and ran on the same links (``bench-run.json``,
-    which this script writes beside it; a run without one counts only on shared memory). The
-    code is not compared: reuse runs of the same tree.
+    (:func:`spardl.train.recorded_options`), and the ``bench-run.json`` this script wrote beside
+    it says it ran on the same links and host and vouches for that very metrics.json (its
+    SHA-256). The code is not compared: the run's tree is in ``bench-run.json`` (``commit``)
+    and in the summary; reuse runs of the same tree.
     """
     from spardl.train import recorded_options
 
     try:
-        m = json.loads((out / "metrics.json").read_text())
+        raw = (out / "metrics.json").read_bytes()
+        m = json.loads(raw)
+        ran = json.loads((out / "bench-run.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(m, dict) or m.get("completed") is not True or "resumed_from" in m:
+    if not isinstance(m, dict) or not isinstance(ran, dict):
         return None
-    try:
-        ran = json.loads((out / "bench-run.json").read_text())
-    except OSError:
-        ran = {"bandwidth": None, "job_seconds": None}
-    except ValueError:
+    if m.get("completed") is not True or "resumed_from" in m:
         return None
-    if ran.get("bandwidth") != bandwidth:
+    if ran.get("metrics_sha256") != hashlib.sha256(raw).hexdigest():
+        return None  # metrics.json was written again since
+    if ran.get("bandwidth") != bandwidth or ran.get("host") != socket.gethostname():
         return None
     expected = recorded_options(train_args, world_size)
     if any(k not in m or m[k] != v for k, v in expected.items()):
         return None
     m["job_seconds"] = ran.get("job_seconds")
+    m["commit"] = ran.get("commit")
     return m
 
 
@@ -423,14 +465,17 @@ def _run_all(args, configs: list[str]) -> list[tuple[str, int, dict]]:
             train_args = _train_args(args, label, seed, out)
             m = reusable(out, train_args, args.world_size, args.bandwidth) if args.reuse else None
             if m is not None:
-                print(f"reusing {out}: a completed run with these options", flush=True)
-            else:
-                job_s = launch_train(args.world_size, train_args, args.timeout, args.bandwidth)
-                (out / "bench-run.json").write_text(
-                    json.dumps({"bandwidth": args.bandwidth, "job_seconds": job_s}) + "\n"
+                print(
+                    f"reusing {out}: a completed run with these options (tree {m['commit']})",
+                    flush=True,
                 )
+            else:
+                (out / "bench-run.json").unlink(missing_ok=True)  # vouches for no new run
+                job_s = launch_train(args.world_size, train_args, args.timeout, args.bandwidth)
+                record = _run_record(out, args.bandwidth, job_s)
+                (out / "bench-run.json").write_text(json.dumps(record) + "\n")
                 m = json.loads((out / "metrics.json").read_text())
-                m["job_seconds"] = job_s
+                m["job_seconds"], m["commit"] = job_s, record["commit"]
             rows.append((label, seed, m))
     return rows
 

@@ -396,7 +396,9 @@ def _sync(t: torch.Tensor) -> None:
 def _host_kernels_take(*tensors: torch.Tensor) -> bool:
     """Whether the host kernels of :mod:`spardl_kernels.cpu.arrays` take these tensors: all on
     the host, all float32 or float64 (else torch's own passes do the work)."""
-    return all(not t.is_cuda and t.dtype in (torch.float32, torch.float64) for t in tensors)
+    return all(
+        t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in tensors
+    )
 
 
 def _mask_sent(u: torch.Tensor, res: torch.Tensor, x: torch.Tensor) -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "build_model",
     "load_digits_split",
     "add_arguments",
+    "recorded_options",
     "run",
 ]
 

@@ -4,6 +4,7 @@ nor a failure to write an output after the whole run)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -358,8 +359,25 @@ def test_reuse_reads_a_completed_run_with_the_same_options_and_reruns_any_other(
     assert bench.reusable(out, other, 2, None) is None  # another learning rate
     assert bench.reusable(out, train_args, 3, None) is None  # another world size
     assert bench.reusable(out, train_args, 2, "1gbit") is None  # other links
+    record = json.loads((out / "bench-run.json").read_text())
+    assert record["metrics_sha256"] and record["job_seconds"] > 0
+
+    def vouched(metrics: str, **change) -> dict | None:
+        """``reusable`` of this metrics.json text, with a bench-run.json that vouches for it
+        (then changed by ``change``)."""
+        (out / "metrics.json").write_text(metrics)
+        digest = hashlib.sha256(metrics.encode()).hexdigest()
+        ran = {**record, "metrics_sha256": digest, **change}
+        (out / "bench-run.json").write_text(json.dumps(ran))
+        return bench.reusable(out, train_args, 2, None)
+
+    assert vouched(json.dumps(first)) is not None
     for change in ({"completed": False}, {"resumed_from": {"epoch": 1}}, {"lr": None}):
-        (out / "metrics.json").write_text(json.dumps({**first, **change}))
-        assert bench.reusable(out, train_args, 2, None) is None, change
-    (out / "metrics.json").write_text("{not json")
+        assert vouched(json.dumps({**first, **change})) is None, change
+    assert vouched("{not json") is None
+    assert vouched(json.dumps(first), host="another-machine") is None
+    assert vouched(json.dumps(first), metrics_sha256="0" * 64) is None  # rewritten since
+    (out / "bench-run.json").write_text("[]")
+    assert bench.reusable(out, train_args, 2, None) is None
+    (out / "bench-run.json").unlink()  # a run this script did not make: never reused
     assert bench.reusable(out, train_args, 2, None) is None

@@ -592,7 +592,7 @@ def _torch_mask(u, res, x):
 
 def _bits(t):
     t = torch.as_tensor(np.asarray(t))
-    return t.view(torch.int64 if t.element_size() == 8 else torch.int32).tolist()
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]).tolist()
 
 
 def _cloning_accumulate(core, ar, unused, dense):
@@ -611,10 +611,11 @@ def _cloning_accumulate(core, ar, unused, dense):
         flat[a:b].zero_()
     if not mask:
         return u_before, None
-    return u_before, torch.add(flat, st._tensor(ar.residual, flat).to(flat.dtype))
+    work = torch.float32 if flat.dtype == torch.float16 else flat.dtype  # the allreducer's
+    return u_before, torch.add(flat.to(work), st._tensor(ar.residual, flat).to(work))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 @pytest.mark.parametrize("masking", [True, False])
 @pytest.mark.parametrize("algorithm", ["topka", "spardl"])
 @pytest.mark.parametrize("nonfinite", ["raise", "skip"])
@@ -630,8 +631,8 @@ def test_the_one_pass_host_path_has_the_bits_of_torchs_passes(
     mean of zero), and a step with a NaN (raised or skipped) followed by more steps, every
     gradient, result, velocity and residual has the bits of torch's passes on the velocity
     itself with a clone for the undo, and of a scan of the whole buffer. ``path="torch"``
-    runs the passes a device (or float16) takes, torch's ops into the second buffer, on the
-    host."""
+    runs the passes a device takes, torch's ops into the second buffer, on the host; a float16
+    model takes them on either path (its X = u + E in float32, the allreducer's work dtype)."""
     import spardl
 
     def run(reference):

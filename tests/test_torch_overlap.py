@@ -578,10 +578,6 @@ def test_residual_view_is_zero_copy_on_the_cpu():
     assert res[2] == -1
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
-
-
 def test_a_bucket_stopped_by_a_base_exception_fails_its_future_and_the_thread_serves_on():
     """A bucket's work that raises a BaseException that is no Exception (SystemExit here;
     torch's Future.set_exception refuses one, which killed the communication thread and left
@@ -609,3 +605,7 @@ def test_a_bucket_stopped_by_a_base_exception_fails_its_future_and_the_thread_se
         stopped.wait()
     assert isinstance(info.value.__cause__, SystemExit)
     assert served.wait().tolist() == [1.0, 1.0]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
