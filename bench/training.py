@@ -391,33 +391,29 @@ def _tree() -> str | None:
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+dirty" if dirty else "")
 
 
-def _run_record(out: Path, bandwidth, job_seconds: float) -> dict:
-    """What ``bench-run.json`` says of the run just made in ``out``: its links, job seconds,
-    host and tree, and a digest of the metrics.json it wrote (which :func:`reusable` checks)."""
+def _run_record(raw_metrics: bytes, bandwidth, job_seconds: float) -> dict:
+    """What ``bench-run.json`` says of the run just made: its links, job seconds, host and tree,
+    and a digest of the metrics.json it wrote, ``raw_metrics`` (which :func:`reusable` checks)."""
     return {
         "bandwidth": bandwidth,
         "job_seconds": job_seconds,
         "host": socket.gethostname(),
         "commit": _tree(),
-        "metrics_sha256": hashlib.sha256((out / "metrics.json").read_bytes()).hexdigest(),
+        "metrics_sha256": hashlib.sha256(raw_metrics).hexdigest(),
     }
 
 
@@ -472,9 +468,10 @@ def _run_all(args, configs: list[str]) -> list[tuple[str, int, dict]]:
             else:
                 (out / "bench-run.json").unlink(missing_ok=True)  # vouches for no new run
                 job_s = launch_train(args.world_size, train_args, args.timeout, args.bandwidth)
-                record = _run_record(out, args.bandwidth, job_s)
+                raw = (out / "metrics.json").read_bytes()
+                record = _run_record(raw, args.bandwidth, job_s)
                 (out / "bench-run.json").write_text(json.dumps(record) + "\n")
-                m = json.loads((out / "metrics.json").read_text())
+                m = json.loads(raw)
                 m["job_seconds"], m["commit"] = job_s, record["commit"]
             rows.append((label, seed, m))
     return rows
