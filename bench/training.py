@@ -12,10 +12,12 @@ hyper-parameters; with ``--bandwidth`` each job runs on P fresh emulated nodes (
 it with the raw metrics to ``--out``/summary.json, and a time-to-accuracy plot (test accuracy
 against seconds inside the training loop, evaluation excluded) to ``--out``/time-to-accuracy.png.
 
-``--reuse`` reads a run that an earlier invocation made into the same directory, completed with
-the same options on the same links and host, instead of running it again, so a table of many runs
-can be built over several invocations (``bench-run.json`` beside each run's metrics.json records
-its links, job seconds, host and commit).
+Each run writes to ``--out``/``<config>-rho<ρ>-seed<s>`` (``<config>-seed<s>`` for the dense
+configs, which take no density). ``--reuse`` reads a run that an earlier invocation made there,
+completed with the same options on the same links and host, instead of running it again, so a
+table of many runs, at several densities, can be built over several invocations
+(``bench-run.json`` beside each run's metrics.json records its links, job seconds, host and
+commit).
 
 "Time to dense − 1 pt" is the training time a run needs to first reach the dense run's final test
 accuracy minus one point (same seed), at epoch granularity; "—" if it never does.
@@ -362,11 +364,24 @@ def _args(argv):
     return args
 
 
+def _is_dense(label: str) -> bool:
+    """Whether a config is a dense allreduce, which takes no density."""
+    return CONFIGS[label][:2] == ["--algorithm", "dense"]
+
+
+def run_dir(args, label: str, seed: int) -> Path:
+    """Where one run writes: ``--out``/``<config>-rho<ρ>-seed<s>``, without the density for the
+    dense configs, so invocations at other densities into one ``--out`` keep each other's runs
+    and share the dense ones."""
+    rho = "" if _is_dense(label) else f"-rho{args.density:g}"
+    return args.out / f"{label}{rho}-seed{seed}"
+
+
 def _train_args(args, label: str, seed: int, out: Path) -> list[str]:
     """The ``spardl train`` arguments of one run: a config at one seed, written to ``out``."""
     config = expand(CONFIGS[label], args.clip_norm, args.density_warmup)
     # The dense runs take no --density (spardl train refuses options that would do nothing).
-    density = [] if config[:2] == ["--algorithm", "dense"] else ["--density", str(args.density)]
+    density = [] if _is_dense(label) else ["--density", str(args.density)]
     train_args = [
         "--task",
         args.task,
@@ -457,7 +472,7 @@ def _run_all(args, configs: list[str]) -> list[tuple[str, int, dict]]:
     rows = []
     for seed in args.seeds:
         for label in configs:
-            out = args.out / f"{label}-seed{seed}"
+            out = run_dir(args, label, seed)
             train_args = _train_args(args, label, seed, out)
             m = reusable(out, train_args, args.world_size, args.bandwidth) if args.reuse else None
             if m is not None:

@@ -331,6 +331,29 @@ def test_the_density_warmup_defaults_to_a_sixth_of_the_lm_steps():
     assert given.density_warmup == 5
 
 
+def test_runs_at_other_densities_write_to_their_own_directories_and_share_the_dense_ones(
+    tmp_path,
+):
+    """Each sparse config's run directory names its density, so an invocation at another
+    --density into the same --out keeps the first one's runs; the dense configs, which take no
+    density, have one directory for every density. No two runs of one --out share a directory."""
+    bench = _load_script("training")
+    seen = {}
+    for density in ("0.01", "0.001", "0.0001"):
+        args = bench._args(["--density", density, "--out", str(tmp_path), "--configs", "dense"])
+        for label in bench.CONFIGS:
+            for seed in (0, 1):
+                out = bench.run_dir(args, label, seed)
+                assert out.parent == tmp_path
+                dense = label in ("dense", "dense-fp16")
+                assert out.name == (
+                    f"{label}-seed{seed}" if dense else f"{label}-rho{density}-seed{seed}"
+                )
+                key = (label, seed, None if dense else density)
+                assert seen.setdefault(out, key) == key, (out, key)
+    assert len(seen) == 2 * (2 + 3 * (len(bench.CONFIGS) - 2))
+
+
 def test_reuse_reads_a_completed_run_with_the_same_options_and_reruns_any_other(
     tmp_path, monkeypatch, capsys
 ):
