@@ -57,6 +57,7 @@ __all__ = [
     "Comm",
     "cuda_aware",
     "cuda_aware_reason",
+    "float16_sum_op",
     "new_stats",
     "pack_blocks",
     "pack_wire",
@@ -765,6 +766,42 @@ def _mpi_op(op: str):
     return ops[check_choice("op", op, tuple(ops))]
 
 
+@functools.cache
+def float16_sum_op() -> MPI.Op:
+    """MPI's float16 sum as a user operation, reduced by a vectorised kernel.
+
+    MPI libraries built without hardware float16 arithmetic (MPICH's wheels among them) reduce
+    float16 one element at a time through software conversions: on this project's machine a
+    1 M-element float16 ``Allreduce`` on 4 ranks took several times as long as the float32 one
+    of twice the bytes (docs/performance.md, "The 16-bit dense allreduce's own sum"). This
+    operation gives MPI the same sum, each pair rounded once to float16 (to nearest, ties to
+    even; :func:`spardl_kernels.cpu.arrays.sum_half`), at about a copy's speed. It is
+    commutative, so MPI keeps its algorithms for SUM and its order of the additions: the sums
+    are the bits of MPI's own float16 SUM where the library rounds each addition
+    (tests/mpi/test_comm.py). :meth:`Comm.allreduce` uses it for every float16 sum in host
+    memory; pass it as ``op=`` to an mpi4py ``Allreduce`` of float16 buffers to use it outside.
+
+    Returns
+    -------
+    mpi4py.MPI.Op
+        The same operation for every call in a process (``Op.Create`` is local, not
+        collective), for host buffers of float16 (MPI's ``MPIX_C_FLOAT16``, mpi4py's typecode
+        ``"e"``) only: it reads any other datatype's bytes as float16.
+
+    Notes
+    -----
+    A user operation is called by the MPI library, with the GIL taken by mpi4py; it must not
+    be given device memory (a CUDA-aware library would pass device pointers), which
+    :meth:`Comm.allreduce` never does.
+    """
+    from spardl_kernels.cpu.arrays import sum_half
+
+    def reduce(inbuf, inoutbuf, datatype) -> None:
+        sum_half(np.frombuffer(inbuf, np.uint16), np.frombuffer(inoutbuf, np.uint16))
+
+    return MPI.Op.Create(reduce, commute=True)
+
+
 class Comm:
     """A wrapped communicator with message accounting.
 
@@ -1265,6 +1302,8 @@ class Comm:
         else:
             send = x = np.ascontiguousarray(x)
             recv = np.empty_like(x) if out is None else out
+        if mpi_op is MPI.SUM and isinstance(recv, np.ndarray) and recv.dtype == np.float16:
+            mpi_op = float16_sum_op()  # a host float16 sum: vectorised, not the library's
         self._clocked.Allreduce(_mpi_buffer(send), _mpi_buffer(recv), op=mpi_op)
         out = self._wire_result(recv, device)
         vol = 2 * x.nbytes * (self.size - 1) // self.size

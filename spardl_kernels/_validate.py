@@ -303,28 +303,28 @@ def check_work_array(name, ndim, dtype, writeable):
     require(writeable, name, "array is read-only; the pass writes into it")
 
 
-def check_divisor(s):
+def check_divisor(s, name="s"):
     """A real, finite, non-zero divisor (the number of ranks); returns it as ``float``."""
     real = isinstance(s, (numbers.Real, np.floating, np.integer))
     if isinstance(s, (bool, np.bool_)) or not real:
-        raise TypeError(f"s: expected a real number, got {type(s).__name__}")
+        raise TypeError(f"{name}: expected a real number, got {type(s).__name__}")
     try:
         s = float(s)
     except OverflowError:
         s = math.inf  # an integer beyond float64's range
-    require(np.isfinite(s) and s != 0.0, "s", lambda: f"must be finite and non-zero, got {s}")
+    require(np.isfinite(s) and s != 0.0, name, lambda: f"must be finite and non-zero, got {s}")
     return s
 
 
-def check_divisor_in(s, dtype):
+def check_divisor_in(s, dtype, name="s"):
     """:func:`check_divisor`, then s in ``dtype`` (the division's), which must still be finite
     and non-zero there (1e-46 is 0 in float32, 1e39 is inf). Returns it as a ``dtype`` scalar."""
-    s = check_divisor(s)
+    s = check_divisor(s, name)
     with np.errstate(over="ignore", under="ignore"):
         t = np.dtype(dtype).type(s)
     require(
         np.isfinite(t) and t != 0,
-        "s",
+        name,
         lambda: f"must be finite and non-zero in {np.dtype(dtype)}, got {s} (which is {t} there)",
     )
     return t

@@ -1323,3 +1323,96 @@ def test_momentum_passes_reject_bad_arguments():
     assert x1[0] == np.float32(1) + wide.astype(np.float32)[0] == np.float32(1)
     with pytest.raises(ValueError, match="^u: array is read-only"):
         host_arrays.mask_sent(u, e, x)
+
+
+_HALF_SPECIALS = [0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x3C00, 0xBC00, 0x7BFF, 0xFBFF]
+_HALF_SPECIALS += [0x7C00, 0xFC00, 0x7E00, 0xFE00, 0x7C01, 0x5BFF, 0x1400, 0x3555]
+
+
+def test_sum_half_is_the_float16_sum_rounded_once():
+    """Every float16 a (all 65,536 bit patterns) plus each of 200 random and 18 special b: the
+    exact sum (float64 holds every sum of two float16 exactly) rounded once to float16 by
+    NumPy, bit for bit; NaN exactly where that is NaN. Float16 arrays and their uint16 bits
+    are both taken; the sums are written into out, which is returned."""
+    a_bits = np.arange(65536, dtype=np.uint16)
+    a64 = a_bits.view(np.float16).astype(np.float64)
+    rng = np.random.default_rng(20261206)
+    for b in [*_HALF_SPECIALS, *rng.integers(0, 65536, 200).tolist()]:
+        out = np.full(65536, b, np.uint16)
+        with np.errstate(all="ignore"):
+            want = (a64 + np.uint16(b).view(np.float16).astype(np.float64)).astype(np.float16)
+        assert host_arrays.sum_half(a_bits, out) is out
+        got = out.view(np.float16)
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(np.isnan(got), nan, err_msg=hex(b))
+        assert_same_bits(got[~nan], want[~nan])
+    x, y = np.array([1.0, 65504.0, -0.0], np.float16), np.array([2**-11, 16.0, 0.0], np.float16)
+    assert host_arrays.sum_half(x, y) is y
+    assert y.tolist() == [1.0, np.inf, 0.0] and not np.signbit(y[2])  # ties to even, overflow
+
+
+def test_sum_half_rejects_bad_arguments():
+    h = lambda n=3: np.ones(n, np.float16)  # noqa: E731
+    for call, exc, match in (
+        (lambda: host_arrays.sum_half(np.ones(3, np.float32), h()), TypeError, "^a: must be"),
+        (lambda: host_arrays.sum_half(h(), np.ones(3, np.int16)), TypeError, "^out: must be"),
+        (lambda: host_arrays.sum_half(h(), np.ones((1, 3), np.float16)), ValueError, "^out: must"),
+        (lambda: host_arrays.sum_half(h(), h(4)), ValueError, "^out: length 4"),
+        (lambda: host_arrays.sum_half(h(), [1.0, 1.0, 1.0]), TypeError, "^out is written"),
+    ):
+        with pytest.raises(exc, match=match):
+            call()
+    out = h()
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="^out: array is read-only"):
+        host_arrays.sum_half(h(), out)
+
+
+def test_scale_to_and_from_half_have_numpys_bits():
+    """The 16-bit allreduce's passes before and after MPI's sum: float16(x·f) and
+    float32(h)·f with the bits of NumPy's multiplications and casts (NaN where NumPy's is
+    NaN), for every float16 h, float32 x around every float16 rounding boundary (ties,
+    subnormals, the overflow at 65520), ±inf and NaN, and factors that are powers of two or
+    not."""
+    h_bits = np.arange(65536, dtype=np.uint16)
+    h = h_bits.view(np.float16)
+    wide = h.astype(np.float32)
+    # float32 values at, next to and halfway between consecutive float16 values
+    with np.errstate(invalid="ignore"):  # inf − inf, NaN: NaN midpoints, kept as inputs
+        mids = (wide[:-1] / 2 + wide[1:] / 2).astype(np.float32)
+    x = np.concatenate(
+        [
+            wide,
+            mids,
+            np.nextafter(mids, np.float32(np.inf)),
+            np.nextafter(mids, np.float32(-np.inf)),
+            np.float32([65519.996, 65520.0, 1e30, -1e30, 2.0**-30]),
+        ]
+    )
+    for f in (1.0, 2.0**-3, 2.0**5, 3.0, -0.75):
+        with np.errstate(all="ignore"):
+            want = np.multiply(x, np.float32(f), dtype=np.float32).astype(np.float16)
+            back = np.multiply(h, np.float32(f), dtype=np.float32)
+        out = np.empty(x.shape[0], np.float16)
+        assert host_arrays.scale_to_half(x, f, out) is out
+        _equal_or_both_nan(out, want)
+        out32 = np.empty(65536, np.float32)
+        assert host_arrays.scale_from_half(h_bits, f, out32) is out32
+        _equal_or_both_nan(out32, back)
+    for call, exc, match in (
+        (lambda: host_arrays.scale_to_half(h, 1.0, h.copy()), TypeError, "^x: must be float32"),
+        (lambda: host_arrays.scale_to_half(wide, 1.0, wide), TypeError, "^out: must be float16"),
+        (lambda: host_arrays.scale_to_half(wide, 0.0, h.copy()), ValueError, "^f: must be"),
+        (lambda: host_arrays.scale_to_half(wide, 1e39, h.copy()), ValueError, "^f: must be"),
+        (lambda: host_arrays.scale_to_half(wide, True, h.copy()), TypeError, "^f: expected"),
+        (lambda: host_arrays.scale_to_half(wide, 1.0, h[:3].copy()), ValueError, "^out: length"),
+        (lambda: host_arrays.scale_from_half(wide, 1.0, wide), TypeError, "^h: must be float16"),
+        (lambda: host_arrays.scale_from_half(h, 1.0, h.copy()), TypeError, "^out: must be float"),
+        (lambda: host_arrays.scale_from_half(h, 1.0, wide[:2].copy()), ValueError, "^out: len"),
+    ):
+        with pytest.raises(exc, match=match):
+            call()
+    ro = np.empty(65536, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="^out: array is read-only"):
+        host_arrays.scale_from_half(h, 1.0, ro)

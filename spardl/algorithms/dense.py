@@ -235,8 +235,11 @@ class Dense(Allreducer):
             *first, last = steps or [0]
             for k in first:
                 np.multiply(x, dtype.type(2.0**k), out=x)
-            with np.errstate(over="ignore"):  # past ±65504 (M not finite): ±inf, then counted
-                np.multiply(x, dtype.type(2.0**last), out=buf, casting="same_kind")
+            if dtype == np.float32:  # NumPy's bits in one vectorised pass (NumPy's is not)
+                ops.scale_to_half(x, 2.0**last, buf)  # past ±65504 (M not finite): ±inf
+            else:
+                with np.errstate(over="ignore"):  # past ±65504 (M not finite): ±inf, counted
+                    np.multiply(x, dtype.type(2.0**last), out=buf, casting="same_kind")
         if self.P > 1:
             with self.comm.phase("allreduce"):
                 buf = self.comm.allreduce(buf, "sum", out=None if device else buf)
@@ -246,8 +249,12 @@ class Dense(Allreducer):
             for k in back:
                 ops.divide_max_abs(x, dtype.type(2.0**-k))
         else:
+            first = 2.0 ** (back[0] if back else 0)
             with np.errstate(over="ignore"):  # past the dtype's range: ±inf, then counted
-                np.multiply(buf, dtype.type(2.0 ** (back[0] if back else 0)), out=x)
+                if dtype == np.float32:
+                    ops.scale_from_half(buf, first, x)
+                else:
+                    np.multiply(buf, dtype.type(first), out=x)
                 for k in back[1:]:
                     np.multiply(x, dtype.type(2.0**k), out=x)
         bounded = 0 <= peak < math.inf and self.P <= _HALF_SAFE_P

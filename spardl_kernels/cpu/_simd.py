@@ -370,6 +370,18 @@ def float_bits(typingctx, v):
 
 
 @intrinsic
+def bits_float32(typingctx, b):
+    """The float32 whose bits are the 32-bit integer ``b`` (the inverse of :func:`float_bits`)."""
+    if not isinstance(b, types.Integer) or b.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(b), codegen
+
+
+@intrinsic
 def store_fence(typingctx):
     """A full memory fence (``mfence`` on x86): orders the non-temporal stores before it with
     every later load and store."""

@@ -16,6 +16,7 @@ from numba import njit
 
 from .. import _contract, _validate
 from ._common import JIT, as_array, canonical, in_place, narrow_half, scratch, widen_half
+from ._simd import bits_float32, float_bits
 
 __all__ = [
     "divide_max_abs",
@@ -28,6 +29,9 @@ __all__ = [
     "sub_members",
     "mask_sent",
     "accumulate_velocity",
+    "sum_half",
+    "scale_to_half",
+    "scale_from_half",
 ]
 
 
@@ -680,3 +684,202 @@ def cast(a, dtype):
     with np.errstate(over="ignore", invalid="ignore"):
         out = a.astype(dt)
     return canonicalize(out) if a.dtype.kind == "f" and dt.kind == "f" else out
+
+
+# float16 <-> float32 with integer and float32 operations only: no branch (selects, which the
+# loop vectoriser keeps), no subnormal float32 operand on the widening side, and no call into a
+# runtime library (Numba has no float16 arithmetic on the CPU).
+_F16_EXP = np.uint32(0x7C00 << 13)  # float16's exponent field, moved to float32's position
+_F16_REBIAS = np.uint32((127 - 15) << 23)  # 112 added to the exponent: float16 to float32 bias
+_F16_SUBNORMAL_BASE = np.float32(2.0**-14)  # float16's smallest normal, 113 << 23 in bits
+_F32_HALF = np.uint32(126 << 23)  # 0.5f: adding it rounds below 2**-14 at float16's spacing
+
+
+@njit(**JIT, inline="always")
+def _widen_half(h):
+    """The float32 value of the float16 with bits ``h`` (an int32 in [0, 65536)), exactly."""
+    o = (h & 0x7FFF) << 13  # exponent and fraction at float32's positions
+    e = o & _F16_EXP
+    o += _F16_REBIAS
+    o = o + _F16_REBIAS if e == _F16_EXP else o  # inf and NaN: float32's top exponent
+    # A subnormal float16 (e = 0): its fraction on the exponent 2**-14, then 2**-14 taken off.
+    sub = float_bits(bits_float32(np.int32(o + (1 << 23))) - _F16_SUBNORMAL_BASE)
+    o = sub if e == 0 else o
+    return bits_float32(np.int32(o | ((h & 0x8000) << 16)))
+
+
+@njit(**JIT, inline="always")
+def _narrow_half(f):
+    """The bits (int32) of float32 ``f`` rounded to float16, to nearest, ties to even; a NaN
+    gives float16's quiet NaN of the same sign, a magnitude from 65520 up gives ±inf."""
+    u = float_bits(f)
+    sign = (u >> 16) & 0x8000
+    u &= 0x7FFFFFFF
+    big = 0x7E00 if u > 0x7F800000 else 0x7C00  # NaN, else inf
+    # Below 2**-14: adding 0.5 lets the float32 adder round at float16's subnormal spacing.
+    tiny = float_bits(bits_float32(np.int32(u)) + bits_float32(np.int32(_F32_HALF))) - _F32_HALF
+    # Normal: rebias, then round the 13 dropped bits to nearest, ties to the even fraction.
+    normal = (u - (112 << 23) + 0xFFF + ((u >> 13) & 1)) >> 13
+    o = big if u >= 0x47800000 else (tiny if u < 0x38800000 else normal)
+    return o | sign
+
+
+@njit(**JIT)
+def _sum_half_bits(a, out):
+    for i in range(a.shape[0]):
+        s = _widen_half(np.int32(a[i])) + _widen_half(np.int32(out[i]))
+        out[i] = np.uint16(_narrow_half(s))
+
+
+def sum_half(a, out):
+    """``out[i] = float16(a[i] + out[i])`` for float16 arrays, in place: MPI's float16 sum.
+
+    Parameters
+    ----------
+    a : ndarray of shape (n,), float16 or uint16 (float16 bits)
+    out : ndarray of shape (n,), float16 or uint16 (float16 bits), writeable
+        Receives the sums.
+
+    Returns
+    -------
+    ndarray
+        ``out``.
+
+    Raises
+    ------
+    TypeError
+        a or out neither float16 nor uint16.
+    ValueError
+        a or out not 1-D, out read-only, or of another length than a.
+
+    Notes
+    -----
+    Each sum is IEEE 754 binary16 addition, rounded to nearest, ties to even, as the sum of
+    the two values widened to float32 and rounded once to float16: float32 holds
+    24 ≥ 2·11 + 2 bits, so its rounding before the final one cannot change it (the sum is the
+    correctly rounded float16 sum of a and out). A sum of magnitude 65520 or more is ±inf, a
+    NaN operand or inf − inf gives float16's quiet NaN (sign kept, payload not). It is the
+    reduction of the host 16-bit allreduce (:mod:`spardl.comm`), which MPI libraries that sum
+    float16 in software run several times slower (docs/performance.md, "The 16-bit dense
+    allreduce").
+    """
+    a = as_array(a, "a")
+    out = in_place(out, "out")
+    for name, v in (("a", a), ("out", out)):
+        _validate.require(
+            v.dtype in (np.float16, np.uint16),
+            name,
+            lambda v=v: f"must be float16 or uint16 (float16 bits), got {v.dtype}",
+            TypeError,
+        )
+        _validate.require(v.ndim == 1, name, lambda v=v: f"must be 1-D, got shape {v.shape}")
+    _validate.require(out.flags.writeable, "out", "array is read-only; sum_half writes into it")
+    _validate.check_same_length("out", out.shape[0], "a", a.shape[0])
+    _sum_half_bits(a.view(np.uint16), out.view(np.uint16))
+    return out
+
+
+@njit(**JIT)
+def _scale_to_half_bits(x, f, out):
+    for i in range(x.shape[0]):
+        out[i] = np.uint16(_narrow_half(x[i] * f))
+
+
+@njit(**JIT)
+def _scale_from_half_bits(h, f, out):
+    for i in range(h.shape[0]):
+        out[i] = _widen_half(np.int32(h[i])) * f
+
+
+def _half_pass_args(src, src_name, dst, dst_name, f, src_half):
+    """The checked arrays and float32 factor of :func:`scale_to_half` / :func:`scale_from_half`."""
+    src, dst = as_array(src, src_name), in_place(dst, dst_name)
+    half, single = (src, dst) if src_half else (dst, src)
+    half_name, single_name = (src_name, dst_name) if src_half else (dst_name, src_name)
+    _validate.require(
+        half.dtype in (np.float16, np.uint16),
+        half_name,
+        lambda: f"must be float16 or uint16 (float16 bits), got {half.dtype}",
+        TypeError,
+    )
+    _validate.require(
+        single.dtype == np.float32,
+        single_name,
+        lambda: f"must be float32, got {single.dtype}",
+        TypeError,
+    )
+    for name, v in ((src_name, src), (dst_name, dst)):
+        _validate.require(v.ndim == 1, name, lambda v=v: f"must be 1-D, got shape {v.shape}")
+    _validate.require(dst.flags.writeable, dst_name, "array is read-only; the pass writes it")
+    _validate.check_same_length(dst_name, dst.shape[0], src_name, src.shape[0])
+    f32 = _validate.check_divisor_in(f, np.dtype(np.float32), "f")
+    return src, dst, f32
+
+
+def scale_to_half(x, f, out):
+    """``out[i] = float16(x[i] · f)``: float32 values scaled and rounded to float16 in one pass.
+
+    Parameters
+    ----------
+    x : ndarray of shape (n,), float32
+    f : float
+        The factor, a finite non-zero float32 (a power of two in the 16-bit allreduce, which
+        makes the product exact).
+    out : ndarray of shape (n,), float16 or uint16 (float16 bits), writeable
+
+    Returns
+    -------
+    ndarray
+        ``out``.
+
+    Raises
+    ------
+    TypeError
+        x not float32, out neither float16 nor uint16, f not a real number.
+    ValueError
+        x or out not 1-D, out read-only or of another length, f zero or not finite in float32.
+
+    Notes
+    -----
+    The bits of NumPy's ``np.multiply(x, float32(f), out=out, casting="same_kind")`` for every
+    number: the float32 product, rounded once to nearest float16 (ties to even), ±inf from
+    65520 up; a NaN becomes float16's quiet NaN of its sign (its payload is not kept). The
+    16-bit dense allreduce's step before MPI's sum (:mod:`spardl.algorithms.dense`), where
+    NumPy's own conversion runs element by element.
+    """
+    x, out, f32 = _half_pass_args(x, "x", out, "out", f, src_half=False)
+    _scale_to_half_bits(x, f32, out.view(np.uint16))
+    return out
+
+
+def scale_from_half(h, f, out):
+    """``out[i] = float32(h[i]) · f``: float16 values widened (exactly) and scaled in one pass.
+
+    Parameters
+    ----------
+    h : ndarray of shape (n,), float16 or uint16 (float16 bits)
+    f : float
+        The factor, a finite non-zero float32.
+    out : ndarray of shape (n,), float32, writeable
+
+    Returns
+    -------
+    ndarray
+        ``out``.
+
+    Raises
+    ------
+    TypeError
+        h neither float16 nor uint16, out not float32, f not a real number.
+    ValueError
+        h or out not 1-D, out read-only or of another length, f zero or not finite in float32.
+
+    Notes
+    -----
+    The bits of NumPy's ``np.multiply(h, float32(f), out=out)`` for every number (one float32
+    multiplication of the exact value); a NaN stays a NaN. The 16-bit dense allreduce's step
+    after MPI's sum.
+    """
+    h, out, f32 = _half_pass_args(h, "h", out, "out", f, src_half=True)
+    _scale_from_half_bits(h.view(np.uint16), f32, out)
+    return out

@@ -148,3 +148,35 @@ def test_ring_beta_is_one_positive_number_everywhere(comm):
             ring_beta(c, **kwargs)
     assert c.allreduce(np.ones(2)).tolist() == [c.size, c.size]
     c.free()
+
+
+def test_a_float16_sum_has_the_bits_of_mpis_own(comm, monkeypatch):
+    """``Comm.allreduce`` sums float16 with :func:`spardl.comm.float16_sum_op` (a vectorised
+    reduction), and only float16: the bits of MPI's own float16 SUM, which rounds every
+    addition, for values from subnormal to past float16's range, ±inf and NaN, new or in place,
+    n that P does not divide; NaN exactly where MPI's sum is NaN (payloads not compared)."""
+    from mpi4py import MPI
+
+    import spardl.comm
+
+    c = Comm(comm)
+    P, r = c.size, c.rank
+    op = spardl.comm.float16_sum_op()
+    assert spardl.comm.float16_sum_op() is op
+    calls = []
+    monkeypatch.setattr(spardl.comm, "float16_sum_op", lambda: calls.append(1) or op)
+    assert c.allreduce(np.ones(3, np.float32), "sum").tolist() == [P] * 3 and not calls
+    rng = np.random.default_rng(100 + r)
+    for n, scale in ((1, 1.0), (7, 1e-6), (1001, 1.0), (40003, 3e3), (40003, 1e-5)):
+        x = (rng.standard_normal(n) * scale).astype(np.float16)
+        if n > 10:
+            x[:4] = [np.inf, -np.inf, np.nan, 60000.0] if r == P - 1 else [1.0, 2.0, 3.0, 60000.0]
+        want = np.empty_like(x)
+        comm.Allreduce(x, want, op=MPI.SUM)
+        for got in (c.allreduce(x.copy(), "sum"), c.allreduce(y := x.copy(), "sum", out=y)):
+            assert got.dtype == np.float16 and got.shape == (n,)
+            nan = np.isnan(want)
+            assert np.array_equal(np.isnan(got), nan)
+            assert got[~nan].tobytes() == want[~nan].tobytes(), (n, scale)
+    assert len(calls) == 10
+    c.free()
