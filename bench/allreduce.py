@@ -14,8 +14,11 @@ messages are the allreducer's own counters (``stats``), per rank per call, avera
 The peers every ratio is quoted against are MPI's own ``Allreduce`` (``MPI.SUM``), measured the
 same way in the same run, outside spardl: "raw Allreduce" of the gradient buffer itself, in its
 dtype (fp32 by default), into a preallocated buffer, and "raw Allreduce fp16" of a float16 copy
-of the gradient (the cast is done once, outside the timed calls; mpi4py maps float16 to
-``MPIX_C_FLOAT16``, which MPICH reduces in software). Their bytes and messages are counted as
+of the gradient (the cast is done once, outside the timed calls). mpi4py maps float16 to
+``MPIX_C_FLOAT16``, which MPICH's wheels sum in software, several times slower than the float32
+call of twice the bytes, so the fp16 row sums with ``spardl.comm.float16_sum_op()``: the same
+float16 SUM (the same bits), vectorised, as a user of the 16-bit allreduce would run it
+(``--mpi-float16-sum`` adds a row with MPI.SUM itself). Their bytes and messages are counted as
 spardl counts a dense allreduce: one message, 2·m·(P−1)/P bytes each way for m bytes. Rank 0
 prints one table: time, bytes and messages per rank per call, and the time as a ratio to both
 raw rows, bytes and messages as a ratio to the raw row of the gradient's dtype.
@@ -64,6 +67,7 @@ from spardl.cli.common import (  # noqa: E402
     SEED,
     Parser,
 )
+from spardl.comm import float16_sum_op  # noqa: E402
 
 
 def _args(argv):
@@ -105,6 +109,13 @@ def _args(argv):
         help="the gradient's magnitude (Student-t values times this); below about 6e-5·P most "
         "values of the raw fp16 row's float16 copy are subnormal; refused where the gradients "
         "or their sums over P could overflow --dtype",
+    )
+    ap.add_argument(
+        "--mpi-float16-sum",
+        action="store_true",
+        help="also time the fp16 Allreduce with MPI.SUM itself (the raw fp16 row uses "
+        "spardl.comm.float16_sum_op, the same sum vectorised); the x raw fp16 ratios are then "
+        "against the faster of the two",
     )
     ap.add_argument(
         "--profile",
@@ -198,13 +209,16 @@ def measure(comm, make, g, warmup, repeat, peer=None):
     return t, mean["bytes_sent"], mean["messages"], link, paired
 
 
-def measure_raw(comm, send, warmup, repeat, peer=None):
-    """MPI's own ``Allreduce(send, recv, MPI.SUM)`` into a preallocated ``recv``, timed as
+def measure_raw(comm, send, warmup, repeat, peer=None, op=None):
+    """MPI's own ``Allreduce(send, recv, op)`` into a preallocated ``recv``, timed as
     :func:`measure` times an allreducer; bytes and messages as spardl counts a dense allreduce
-    (one message, 2·m·(P−1)/P bytes for m bytes; nothing at P = 1)."""
+    (one message, 2·m·(P−1)/P bytes for m bytes; nothing at P = 1). ``op``: MPI.SUM, or for
+    float16 ``spardl.comm.float16_sum_op()`` (the same sum, vectorised)."""
+    if op is None:
+        op = float16_sum_op() if send.dtype == np.float16 else MPI.SUM
     recv = np.empty_like(send)
     t, link, paired = _median_time(
-        comm, lambda: comm.Allreduce(send, recv, op=MPI.SUM), warmup, repeat, peer
+        comm, lambda: comm.Allreduce(send, recv, op=op), warmup, repeat, peer
     )
     P = comm.size
     return t, 2 * send.nbytes * (P - 1) // P, 1.0 if P > 1 else 0.0, link, paired
@@ -271,8 +285,9 @@ def _measure_peers(comm, a, g, results):
     results[(f"raw Allreduce {SHORT[a.dtype]}", None)] = (*raw[:4], 1.0)
     # Every later row times this same call right before each of its own (the paired ratio).
     peer_out = np.empty_like(g)
-    peer = (lambda: comm.Allreduce(g, peer_out, op=MPI.SUM), raw[3])
-    raw16 = raw
+    op = float16_sum_op() if g.dtype == np.float16 else MPI.SUM
+    peer = (lambda: comm.Allreduce(g, peer_out, op=op), raw[3])
+    raw16, g16 = raw, g
     if a.dtype != "float16":
         # Values past float16's range (a --scale far above 1e-3) become inf in this copy: MPI
         # sums them all the same, and only this row's time is taken from it.
@@ -280,6 +295,10 @@ def _measure_peers(comm, a, g, results):
             g16 = g.astype(np.float16)
         raw16 = measure_raw(comm, g16, a.warmup, a.repeat, peer)
         results[("raw Allreduce fp16", None)] = raw16
+    if a.mpi_float16_sum:  # MPI.SUM itself: software float16 arithmetic in MPICH's wheels
+        builtin = measure_raw(comm, g16, a.warmup, a.repeat, peer, op=MPI.SUM)
+        results[("raw Allreduce fp16, MPI.SUM", None)] = builtin
+        raw16 = min(raw16, builtin, key=lambda r: r[0])  # the faster 16-bit peer
     return raw, raw16, peer
 
 
@@ -376,7 +395,9 @@ def _print_report(a, P, load, rows, profile):
     print(
         f"# ratios: time / raw Allreduce {SHORT[a.dtype]} (MPI_Allreduce of the gradient "
         "buffer: the median of per-call ratios, each call paired with a raw call timed "
-        "right before it) and / raw Allreduce fp16 (of a float16 copy: median / median); "
+        "right before it) and / raw Allreduce fp16 (of a float16 copy, summed by "
+        "spardl.comm.float16_sum_op, or by MPI.SUM where --mpi-float16-sum timed it faster: "
+        "median / median); "
         f"bytes and messages / raw Allreduce {SHORT[a.dtype]}"
     )
     print(_fmt_table(rows, a.dtype))
@@ -400,7 +421,8 @@ def _write_json(a, P, load, rows, profile):
                 "load_average": load,
                 "peers": {
                     "time_ratio": f"raw Allreduce {SHORT[a.dtype]}",
-                    "time_ratio_fp16": "raw Allreduce fp16",
+                    "time_ratio_fp16": "raw Allreduce fp16"
+                    + (" or raw Allreduce fp16, MPI.SUM: the faster" if a.mpi_float16_sum else ""),
                 },
                 "rows": rows,
                 "profile": {str(k): v for k, v in profile.items()},

@@ -76,6 +76,11 @@ def _args(argv):
     ap.add_argument(
         "--timeout", type=POSITIVE_FLOAT, default=1800, help="per configuration, seconds"
     )
+    ap.add_argument(
+        "--mpi-float16-sum",
+        action="store_true",
+        help="also time the fp16 Allreduce with MPI.SUM itself (bench/allreduce.py's option)",
+    )
     ap.add_argument("--out", type=output_dir, default="results/cluster")
     a = ap.parse_args(argv)
     if a.algorithms is not None:
@@ -113,6 +118,8 @@ def run_one(bandwidth: str, nodes: int, per_node: int, a, tmp: Path) -> dict:
     ]
     if a.algorithms:
         cmd += ["--algorithms", a.algorithms]
+    if a.mpi_float16_sum:
+        cmd.append("--mpi-float16-sum")
     with Cluster(nodes, per_node, bandwidth=bandwidth) as cl:
         latency = measure_latency(cl) if nodes >= 2 else None
         print(f"# {cl.describe()}: {' '.join(cmd[1:])}", flush=True)
