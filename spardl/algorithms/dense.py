@@ -80,16 +80,17 @@ class Dense(Allreducer):
     are slow (DDP's ``fp16_compress_hook``, Horovod's fp16 compression), at half the bytes:
     one MAX allreduce of one number first gives M = max_r max_i |g_ri / s|; the pass's g / s
     is scaled by the power of two 2^e that puts P·M in [2^14, 2^15) and rounded to float16 (to
-    nearest, ties to even); MPI's own float16 ``Allreduce`` sums it (each addition rounds to
-    float16, in the order MPI chooses), and the sums are widened to the gradient's dtype and
-    scaled back by 2^-e. The scaling is exact; it keeps every sum below 65504, and every value
-    of at least 2^-28·P·M out of float16's subnormal range, where MPI libraries that sum float16
-    in software (MPICH) run several times slower. What it drops: the rounding of every scaled
-    g / s and of every partial sum to float16's 11 significant bits (fewer below 2^-28·P·M), and
-    values below about 2^-39·P·M, which round to zero; nothing of it is kept (no residual), so
-    ``conserves`` is False. e follows M over the whole range of the gradient's dtype (float64
-    gradients of 1e300 or 1e-300 included): the scalings are made in the work dtype, in steps
-    whose factors are normal numbers of it.
+    nearest, ties to even); MPI's float16 ``Allreduce`` sums it (each addition rounds to
+    float16, in the order MPI chooses; on the host with :func:`spardl.comm.float16_sum_op`, the
+    same sum vectorised, where MPICH's wheels convert in software), and the sums are widened to
+    the gradient's dtype and scaled back by 2^-e. The scaling is exact; it keeps every sum below
+    65504, and every value of at least 2^-28·P·M out of float16's subnormal range, where
+    software float16 arithmetic runs several times slower. What it drops: the rounding of every
+    scaled g / s and of every partial sum to float16's 11 significant bits (fewer below
+    2^-28·P·M), and values below about 2^-39·P·M, which round to zero; nothing of it is kept
+    (no residual), so ``conserves`` is False. e follows M over the whole range of the
+    gradient's dtype (float64 gradients of 1e300 or 1e-300 included): the scalings are made in
+    the work dtype, in steps whose factors are normal numbers of it.
     A NaN or ±inf (M = inf) is summed unscaled and counted, as for the float32 sum; so are sums
     that, scaled back, could pass the work dtype's largest value (P·M ≥ 2^126 in float32,
     2^1022 in float64, or P > 1024), so that an overflow to ±inf is never returned as finite.
