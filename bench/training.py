@@ -420,14 +420,15 @@ def _tree() -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
-def _run_record(raw_metrics: bytes, bandwidth, job_seconds: float) -> dict:
-    """What ``bench-run.json`` says of the run just made: its links, job seconds, host and tree,
-    and a digest of the metrics.json it wrote, ``raw_metrics`` (which :func:`reusable` checks)."""
+def _run_record(raw_metrics: bytes, bandwidth, job_seconds: float, commit: str | None) -> dict:
+    """What ``bench-run.json`` says of the run just made: its links, job seconds, host and tree
+    (``commit``, :func:`_tree` as the job started), and a digest of the metrics.json it wrote,
+    ``raw_metrics`` (which :func:`reusable` checks)."""
     return {
         "bandwidth": bandwidth,
         "job_seconds": job_seconds,
         "host": socket.gethostname(),
-        "commit": _tree(),
+        "commit": commit,
         "metrics_sha256": hashlib.sha256(raw_metrics).hexdigest(),
     }
 
@@ -482,9 +483,10 @@ def _run_all(args, configs: list[str]) -> list[tuple[str, int, dict]]:
                 )
             else:
                 (out / "bench-run.json").unlink(missing_ok=True)  # vouches for no new run
+                commit = _tree()  # the tree the job starts from, whatever changes meanwhile
                 job_s = launch_train(args.world_size, train_args, args.timeout, args.bandwidth)
                 raw = (out / "metrics.json").read_bytes()
-                record = _run_record(raw, args.bandwidth, job_s)
+                record = _run_record(raw, args.bandwidth, job_s, commit)
                 (out / "bench-run.json").write_text(json.dumps(record) + "\n")
                 m = json.loads(raw)
                 m["job_seconds"], m["commit"] = job_s, record["commit"]
