@@ -11,14 +11,17 @@ compilation, first-touch of buffers, the threshold selectors' first exact steps)
 the slowest rank's (a MAX reduction) and a row reports the median over the repeats. Bytes and
 messages are the allreducer's own counters (``stats``), per rank per call, averaged over ranks.
 
-The peers every ratio is quoted against are MPI's own ``Allreduce`` (``MPI.SUM``), measured the
-same way in the same run, outside spardl: "raw Allreduce" of the gradient buffer itself, in its
+The peers every ratio is quoted against are MPI's own collectives, measured the same way in the
+same run, outside spardl's allreducers: "raw Allreduce" of the gradient buffer itself, in its
 dtype (fp32 by default), into a preallocated buffer, and "raw Allreduce fp16" of a float16 copy
 of the gradient (the cast is done once, outside the timed calls). mpi4py maps float16 to
 ``MPIX_C_FLOAT16``, which MPICH's wheels sum in software, several times slower than the float32
-call of twice the bytes, so the fp16 row sums with ``spardl.comm.float16_sum_op()``: the same
-float16 SUM (the same bits), vectorised, as a user of the 16-bit allreduce would run it
-(``--mpi-float16-sum`` adds a row with MPI.SUM itself). Their bytes and messages are counted as
+call of twice the bytes, and MPICH's ``Allreduce`` with a user operation sends n·log2(P) values;
+so the fp16 row (and a ``--dtype float16`` gradient's raw row) is
+``spardl.comm.float16_allreduce``: MPI's ``Reduce_scatter_block`` with a vectorised float16 sum,
+then its ``Allgather``, the traffic of a ring allreduce, as a user of the 16-bit allreduce would
+run it (``--mpi-float16-sum`` adds a row with ``Allreduce`` and MPI.SUM itself). Their bytes and
+messages are counted as
 spardl counts a dense allreduce: one message, 2·m·(P−1)/P bytes each way for m bytes. Rank 0
 prints one table: time, bytes and messages per rank per call, and the time as a ratio to both
 raw rows, bytes and messages as a ratio to the raw row of the gradient's dtype.
@@ -67,7 +70,7 @@ from spardl.cli.common import (  # noqa: E402
     SEED,
     Parser,
 )
-from spardl.comm import float16_sum_op  # noqa: E402
+from spardl.comm import float16_allreduce  # noqa: E402
 
 
 def _args(argv):
@@ -113,9 +116,9 @@ def _args(argv):
     ap.add_argument(
         "--mpi-float16-sum",
         action="store_true",
-        help="also time the fp16 Allreduce with MPI.SUM itself (the raw fp16 row uses "
-        "spardl.comm.float16_sum_op, the same sum vectorised); the x raw fp16 ratios are then "
-        "against the faster of the two",
+        help="also time the fp16 Allreduce with MPI.SUM itself (the raw fp16 row is "
+        "spardl.comm.float16_allreduce: a reduce-scatter with a vectorised float16 sum and an "
+        "all-gather); the x raw fp16 ratios are then against the faster of the two",
     )
     ap.add_argument(
         "--profile",
@@ -212,14 +215,16 @@ def measure(comm, make, g, warmup, repeat, peer=None):
 def measure_raw(comm, send, warmup, repeat, peer=None, op=None):
     """MPI's own ``Allreduce(send, recv, op)`` into a preallocated ``recv``, timed as
     :func:`measure` times an allreducer; bytes and messages as spardl counts a dense allreduce
-    (one message, 2·m·(P−1)/P bytes for m bytes; nothing at P = 1). ``op``: MPI.SUM, or for
-    float16 ``spardl.comm.float16_sum_op()`` (the same sum, vectorised)."""
-    if op is None:
-        op = float16_sum_op() if send.dtype == np.float16 else MPI.SUM
+    (one message, 2·m·(P−1)/P bytes for m bytes; nothing at P = 1). ``op`` None: MPI.SUM, and
+    for float16 ``spardl.comm.float16_allreduce`` (MPI's reduce-scatter with a vectorised
+    float16 sum, then its all-gather) in place of ``Allreduce``."""
     recv = np.empty_like(send)
-    t, link, paired = _median_time(
-        comm, lambda: comm.Allreduce(send, recv, op=op), warmup, repeat, peer
-    )
+    if op is None and send.dtype == np.float16:
+        call = lambda: float16_allreduce(comm, send, recv)  # noqa: E731
+    else:
+        op = MPI.SUM if op is None else op
+        call = lambda: comm.Allreduce(send, recv, op=op)  # noqa: E731
+    t, link, paired = _median_time(comm, call, warmup, repeat, peer)
     P = comm.size
     return t, 2 * send.nbytes * (P - 1) // P, 1.0 if P > 1 else 0.0, link, paired
 
@@ -285,8 +290,10 @@ def _measure_peers(comm, a, g, results):
     results[(f"raw Allreduce {SHORT[a.dtype]}", None)] = (*raw[:4], 1.0)
     # Every later row times this same call right before each of its own (the paired ratio).
     peer_out = np.empty_like(g)
-    op = float16_sum_op() if g.dtype == np.float16 else MPI.SUM
-    peer = (lambda: comm.Allreduce(g, peer_out, op=op), raw[3])
+    if g.dtype == np.float16:
+        peer = (lambda: float16_allreduce(comm, g, peer_out), raw[3])
+    else:
+        peer = (lambda: comm.Allreduce(g, peer_out, op=MPI.SUM), raw[3])
     raw16, g16 = raw, g
     if a.dtype != "float16":
         # Values past float16's range (a --scale far above 1e-3) become inf in this copy: MPI
@@ -395,9 +402,9 @@ def _print_report(a, P, load, rows, profile):
     print(
         f"# ratios: time / raw Allreduce {SHORT[a.dtype]} (MPI_Allreduce of the gradient "
         "buffer: the median of per-call ratios, each call paired with a raw call timed "
-        "right before it) and / raw Allreduce fp16 (of a float16 copy, summed by "
-        "spardl.comm.float16_sum_op, or by MPI.SUM where --mpi-float16-sum timed it faster: "
-        "median / median); "
+        "right before it) and / raw Allreduce fp16 (of a float16 copy, by "
+        "spardl.comm.float16_allreduce, or MPI's Allreduce with MPI.SUM where --mpi-float16-sum "
+        "timed it faster: median / median); "
         f"bytes and messages / raw Allreduce {SHORT[a.dtype]}"
     )
     print(_fmt_table(rows, a.dtype))

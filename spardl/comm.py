@@ -57,6 +57,7 @@ __all__ = [
     "Comm",
     "cuda_aware",
     "cuda_aware_reason",
+    "float16_allreduce",
     "float16_sum_op",
     "new_stats",
     "pack_blocks",
@@ -772,21 +773,22 @@ def float16_sum_op() -> MPI.Op:
 
     MPI libraries built without hardware float16 arithmetic (MPICH's wheels among them) reduce
     float16 one element at a time through software conversions: on this project's machine a
-    1 M-element float16 ``Allreduce`` on 4 ranks took several times as long as the float32 one
-    of twice the bytes (docs/performance.md, "The 16-bit dense allreduce's own sum"). This
-    operation gives MPI the same sum, each pair rounded once to float16 (to nearest, ties to
-    even; :func:`spardl_kernels.cpu.arrays.sum_half`), at about a copy's speed. It is
-    commutative, so MPI keeps its algorithms for SUM and its order of the additions: the sums
-    are the bits of MPI's own float16 SUM where the library rounds each addition
-    (tests/mpi/test_comm.py). :meth:`Comm.allreduce` uses it for every float16 sum in host
-    memory; pass it as ``op=`` to an mpi4py ``Allreduce`` of float16 buffers to use it outside.
+    1 M-element float16 ``Allreduce`` on 4 ranks took 9× as long as the float32 one of twice the
+    bytes (docs/performance.md, "The 16-bit dense allreduce's own sum"). This operation gives
+    MPI the same sum of each pair, rounded once to float16 (to nearest, ties to even;
+    :func:`spardl_kernels.cpu.arrays.sum_half`), in one vectorised pass. It is commutative.
+    MPICH reduces a user operation in ``Allreduce`` by recursive doubling (it splits a message
+    only for its own operations), which sends n·log2(P) values per rank instead of about 2n;
+    :func:`float16_allreduce` uses it in a reduce-scatter and an all-gather instead.
 
     Returns
     -------
     mpi4py.MPI.Op
         The same operation for every call in a process (``Op.Create`` is local, not
-        collective), for host buffers of float16 (MPI's ``MPIX_C_FLOAT16``, mpi4py's typecode
-        ``"e"``) only: it reads any other datatype's bytes as float16.
+        collective), compiled before it is returned, for buffer calls (``Allreduce``,
+        ``Reduce_scatter_block``, ...) on host float16 data (MPI's ``MPIX_C_FLOAT16``, mpi4py's
+        typecode ``"e"``) only. Given another datatype (one whose size or extent is not 2 bytes)
+        the callback raises, and mpi4py aborts the job rather than sum the wrong bytes.
 
     Notes
     -----
@@ -796,10 +798,64 @@ def float16_sum_op() -> MPI.Op:
     """
     from spardl_kernels.cpu.arrays import sum_half
 
+    sum_half(np.zeros(1, np.float16), np.zeros(1, np.float16))  # compiled here, not in MPI
+
     def reduce(inbuf, inoutbuf, datatype) -> None:
+        if datatype.Get_size() != 2 or datatype.Get_extent()[1] != 2:
+            raise TypeError(f"float16_sum_op: datatype {datatype.Get_name()} is not float16")
         sum_half(np.frombuffer(inbuf, np.uint16), np.frombuffer(inoutbuf, np.uint16))
 
     return MPI.Op.Create(reduce, commute=True)
+
+
+def float16_allreduce(comm, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The 16-bit allreduce: ``out`` = the float16 sum over the ranks of ``x``, as a
+    reduce-scatter and an all-gather, each rank sending about 2·n·(P−1)/P values.
+
+    ``x`` is cut into P blocks of ⌈n/P⌉ (zero-padded at the end when P does not divide n):
+    ``Reduce_scatter_block`` with :func:`float16_sum_op` leaves each rank the sum of its block,
+    ``Allgather`` gives every rank every block. One rank sums each block, so every rank gets
+    the same bits. This is the ring allreduce's traffic, where MPICH's ``Allreduce`` with a
+    user operation (any float16 sum faster than its software one) takes n·log2(P).
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm (or a proxy with its methods)
+    x : ndarray of shape (n,), float16, C-contiguous, host memory
+        This rank's values (the same n on every rank).
+    out : ndarray of shape (n,), float16, C-contiguous, host memory
+        Receives the sums; may be ``x`` itself (in place).
+
+    Returns
+    -------
+    ndarray
+        ``out``.
+
+    Notes
+    -----
+    Each addition rounds to float16 (nearest, ties to even), in the order MPI's reduce-scatter
+    chooses, as MPI's own float16 sum does. The arguments are not checked here (the callers,
+    :meth:`Comm.allreduce` and bench/allreduce.py, pass their own buffers).
+    """
+    P, n = comm.Get_size(), x.shape[0]
+    if P == 1:
+        if out is not x:
+            out[...] = x
+        return out
+    m = -(-n // P)
+    whole = m * P == n
+    if whole:
+        send = x
+    else:
+        send = np.zeros(m * P, np.float16)
+        send[:n] = x
+    block = np.empty(m, np.float16)
+    comm.Reduce_scatter_block(send, block, op=float16_sum_op())
+    full = out if whole else np.empty(m * P, np.float16)
+    comm.Allgather(block, full)  # x is no longer read: out may be x
+    if not whole:
+        out[...] = full[:n]
+    return out
 
 
 class Comm:
@@ -1303,8 +1359,10 @@ class Comm:
             send = x = np.ascontiguousarray(x)
             recv = np.empty_like(x) if out is None else out
         if mpi_op is MPI.SUM and isinstance(recv, np.ndarray) and recv.dtype == np.float16:
-            mpi_op = float16_sum_op()  # a host float16 sum: vectorised, not the library's
-        self._clocked.Allreduce(_mpi_buffer(send), _mpi_buffer(recv), op=mpi_op)
+            # A host float16 sum: vectorised, not the library's software one.
+            float16_allreduce(self._clocked, recv if send is MPI.IN_PLACE else send, recv)
+        else:
+            self._clocked.Allreduce(_mpi_buffer(send), _mpi_buffer(recv), op=mpi_op)
         out = self._wire_result(recv, device)
         vol = 2 * x.nbytes * (self.size - 1) // self.size
         self._acct.sent(vol, -1, "allreduce")

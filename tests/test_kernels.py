@@ -1349,6 +1349,16 @@ def test_sum_half_is_the_float16_sum_rounded_once():
     x, y = np.array([1.0, 65504.0, -0.0], np.float16), np.array([2**-11, 16.0, 0.0], np.float16)
     assert host_arrays.sum_half(x, y) is y
     assert y.tolist() == [1.0, np.inf, 0.0] and not np.signbit(y[2])  # ties to even, overflow
+    # strided views (another compiled variant), an empty pair, and out as a itself
+    a, out = rng.standard_normal(40).astype(np.float16), rng.standard_normal(40).astype(np.float16)
+    want = (a[::2].astype(np.float64) + out[1::2].astype(np.float64)).astype(np.float16)
+    host_arrays.sum_half(a[::2], out[1::2])
+    assert_same_bits(out[1::2], want)
+    empty = np.empty(0, np.float16)
+    assert host_arrays.sum_half(empty, empty) is empty
+    twice = a.astype(np.float64) * 2
+    host_arrays.sum_half(a, a)
+    assert_same_bits(a, twice.astype(np.float16))
 
 
 def test_sum_half_rejects_bad_arguments():

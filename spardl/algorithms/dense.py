@@ -81,8 +81,9 @@ class Dense(Allreducer):
     one MAX allreduce of one number first gives M = max_r max_i |g_ri / s|; the pass's g / s
     is scaled by the power of two 2^e that puts P·M in [2^14, 2^15) and rounded to float16 (to
     nearest, ties to even); MPI's float16 ``Allreduce`` sums it (each addition rounds to
-    float16, in the order MPI chooses; on the host with :func:`spardl.comm.float16_sum_op`, the
-    same sum vectorised, where MPICH's wheels convert in software), and the sums are widened to
+    float16, in the order MPI chooses; on the host :func:`spardl.comm.float16_allreduce`: a
+    reduce-scatter with the same sum vectorised, where MPICH's wheels convert in software, and
+    an all-gather), and the sums are widened to
     the gradient's dtype and scaled back by 2^-e. The scaling is exact; it keeps every sum below
     65504, and every value of at least 2^-28·P·M out of float16's subnormal range, where
     software float16 arithmetic runs several times slower. What it drops: the rounding of every
@@ -250,12 +251,12 @@ class Dense(Allreducer):
             for k in back:
                 ops.divide_max_abs(x, dtype.type(2.0**-k))
         else:
-            first = 2.0 ** (back[0] if back else 0)
+            f = 2.0 ** (back[0] if back else 0)
             with np.errstate(over="ignore"):  # past the dtype's range: ±inf, then counted
                 if dtype == np.float32:
-                    ops.scale_from_half(buf, first, x)
+                    ops.scale_from_half(buf, f, x)
                 else:
-                    np.multiply(buf, dtype.type(first), out=x)
+                    np.multiply(buf, dtype.type(f), out=x)
                 for k in back[1:]:
                     np.multiply(x, dtype.type(2.0**k), out=x)
         bounded = 0 <= peak < math.inf and self.P <= _HALF_SAFE_P

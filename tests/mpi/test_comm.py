@@ -150,11 +150,28 @@ def test_ring_beta_is_one_positive_number_everywhere(comm):
     c.free()
 
 
-def test_a_float16_sum_has_the_bits_of_mpis_own(comm, monkeypatch):
-    """``Comm.allreduce`` sums float16 with :func:`spardl.comm.float16_sum_op` (a vectorised
-    reduction), and only float16: the bits of MPI's own float16 SUM, which rounds every
-    addition, for values from subnormal to past float16's range, ±inf and NaN, new or in place,
-    n that P does not divide; NaN exactly where MPI's sum is NaN (payloads not compared)."""
+def _mpi_float16_reduce_scatter_allgather(comm, x):
+    """MPI's own float16 SUM as a reduce-scatter of P zero-padded blocks and an all-gather."""
+    from mpi4py import MPI
+
+    P, n = comm.size, x.shape[0]
+    m = -(-n // P)
+    pad = np.zeros(m * P, np.float16)
+    pad[:n] = x
+    block, full = np.empty(m, np.float16), np.empty(m * P, np.float16)
+    comm.Reduce_scatter_block(pad, block, op=MPI.SUM)
+    comm.Allgather(block, full)
+    return full[:n]
+
+
+def test_a_float16_sum_is_mpis_own_reduce_scatter_and_all_gather(comm, monkeypatch):
+    """``Comm.allreduce`` sums float16 with :func:`spardl.comm.float16_allreduce` (a
+    reduce-scatter by :func:`spardl.comm.float16_sum_op`, a vectorised reduction, and an
+    all-gather), and only float16: the bits of the same two collectives with MPI's own float16
+    SUM, which rounds every addition (MPICH orders a user operation's reduce-scatter as its
+    own), the same on every rank, and within float16's rounding of the exact sum; for values
+    from subnormal to past float16's range, ±inf and NaN, new or in place, n that P does not
+    divide or smaller than P; NaN exactly where MPI's sum is NaN (payloads not compared)."""
     from mpi4py import MPI
 
     import spardl.comm
@@ -164,19 +181,27 @@ def test_a_float16_sum_has_the_bits_of_mpis_own(comm, monkeypatch):
     op = spardl.comm.float16_sum_op()
     assert spardl.comm.float16_sum_op() is op
     calls = []
-    monkeypatch.setattr(spardl.comm, "float16_sum_op", lambda: calls.append(1) or op)
+    real = spardl.comm.float16_allreduce
+    monkeypatch.setattr(spardl.comm, "float16_allreduce", lambda *a: calls.append(1) or real(*a))
     assert c.allreduce(np.ones(3, np.float32), "sum").tolist() == [P] * 3 and not calls
     rng = np.random.default_rng(100 + r)
-    for n, scale in ((1, 1.0), (7, 1e-6), (1001, 1.0), (40003, 3e3), (40003, 1e-5)):
+    for n, scale in ((1, 1.0), (7, 1e-6), (1001, 1.0), (40003, 3e3), (40004, 1e-5)):
         x = (rng.standard_normal(n) * scale).astype(np.float16)
         if n > 10:
             x[:4] = [np.inf, -np.inf, np.nan, 60000.0] if r == P - 1 else [1.0, 2.0, 3.0, 60000.0]
-        want = np.empty_like(x)
-        comm.Allreduce(x, want, op=MPI.SUM)
+        want = _mpi_float16_reduce_scatter_allgather(comm, x)
+        exact = np.empty(n, np.float64)
+        comm.Allreduce(x.astype(np.float64), exact, op=MPI.SUM)
+        bound = np.empty(n, np.float64)  # each of the P − 1 additions: half an ulp of ≤ Σ|x|
+        comm.Allreduce(np.abs(x.astype(np.float64)), bound, op=MPI.SUM)
         for got in (c.allreduce(x.copy(), "sum"), c.allreduce(y := x.copy(), "sum", out=y)):
             assert got.dtype == np.float16 and got.shape == (n,)
             nan = np.isnan(want)
             assert np.array_equal(np.isnan(got), nan)
             assert got[~nan].tobytes() == want[~nan].tobytes(), (n, scale)
+            assert comm.allgather(got.tobytes()) == [got.tobytes()] * P
+            fine = np.isfinite(got) & (np.abs(exact) < 65504)
+            err = np.abs(got[fine].astype(np.float64) - exact[fine])
+            assert np.all(err <= P * (2.0**-11 * bound[fine] + 2.0**-25)), (n, scale)
     assert len(calls) == 10
     c.free()

@@ -191,10 +191,10 @@ def test_sums_near_the_top_of_the_range(comm):
 
 def _reference_float16(comm, g, op):
     """``wire_dtype="float16"``: M = the largest |g / s| of every rank (MPI's MAX), g / s in the
-    work dtype scaled by 2^e with P·M in [2^14, 2^15) and rounded to float16, MPI's own float16
-    Allreduce of it, the sums widened to the gradient's dtype through the work dtype and scaled
-    back by 2^-e (``np.ldexp``: one rounding, whatever e, where 2^e itself may not be a number
-    of the work dtype)."""
+    work dtype scaled by 2^e with P·M in [2^14, 2^15) and rounded to float16, summed by MPI's
+    own float16 reduce-scatter and all-gather, the sums widened to the gradient's dtype through
+    the work dtype and scaled back by 2^-e (``np.ldexp``: one rounding, whatever e, where 2^e
+    itself may not be a number of the work dtype)."""
     import math
     from fractions import Fraction
 
@@ -213,8 +213,18 @@ def _reference_float16(comm, g, op):
             e += 1
     with np.errstate(over="ignore"):
         half = np.ldexp(scaled, e).astype(np.float16)
-    total = np.empty_like(half)
-    comm.Allreduce(half, total, op=MPI.SUM)
+    # MPI's own float16 SUM in the 16-bit allreduce's collectives: a reduce-scatter of P
+    # zero-padded blocks, then an all-gather (spardl.comm.float16_allreduce)
+    n, m = half.shape[0], -(-half.shape[0] // P)
+    pad, block, total = (
+        np.zeros(m * P, np.float16),
+        np.empty(m, np.float16),
+        np.empty(m * P, np.float16),
+    )
+    pad[:n] = half
+    comm.Reduce_scatter_block(pad, block, op=MPI.SUM)
+    comm.Allgather(block, total)
+    total = total[:n]
     with np.errstate(over="ignore"):
         return np.ldexp(total.astype(w), -e).astype(g.dtype), e
 
