@@ -831,12 +831,32 @@ def float16_allreduce(comm, x: np.ndarray, out: np.ndarray) -> np.ndarray:
     ndarray
         ``out``.
 
+    Raises
+    ------
+    TypeError
+        x or out not a float16 NumPy array.
+    ValueError
+        x or out not 1-D and C-contiguous, out read-only or of another length than x. Checked
+        before any message, on the rank given the bad argument.
+
     Notes
     -----
     Each addition rounds to float16 (nearest, ties to even), in the order MPI's reduce-scatter
-    chooses, as MPI's own float16 sum does. The arguments are not checked here (the callers,
-    :meth:`Comm.allreduce` and bench/allreduce.py, pass their own buffers).
+    chooses, as MPI's own float16 sum does. n must be the same on every rank, as for MPI's own
+    collectives (not checked: that would cost a message).
     """
+    for name, v in (("x", x), ("out", out)):
+        if not isinstance(v, np.ndarray) or v.dtype != np.float16:
+            raise TypeError(
+                f"{name}: must be a float16 NumPy array, got "
+                f"{getattr(v, 'dtype', type(v).__name__)}"
+            )
+        if v.ndim != 1 or not v.flags.c_contiguous:
+            raise ValueError(f"{name}: must be 1-D and C-contiguous, got shape {v.shape}")
+    if out.shape != x.shape:
+        raise ValueError(f"out: length {out.shape[0]} does not match x (length {x.shape[0]})")
+    if not out.flags.writeable:
+        raise ValueError("out: array is read-only; float16_allreduce writes the sums into it")
     P, n = comm.Get_size(), x.shape[0]
     if P == 1:
         if out is not x:

@@ -205,3 +205,27 @@ def test_a_float16_sum_is_mpis_own_reduce_scatter_and_all_gather(comm, monkeypat
             assert np.all(err <= P * (2.0**-11 * bound[fine] + 2.0**-25)), (n, scale)
     assert len(calls) == 10
     c.free()
+
+
+def test_float16_allreduce_refuses_bad_buffers_before_any_message(comm):
+    """Every rank given the same bad buffer raises the same error naming it, before any
+    message (the next collective still matches); nothing is written."""
+    import pytest
+
+    from spardl.comm import float16_allreduce
+
+    h = np.ones(6, np.float16)
+    ro = np.ones(6, np.float16)
+    ro.flags.writeable = False
+    for x, out, exc, match in (
+        (np.ones(6, np.float32), h, TypeError, "^x: must be a float16"),
+        (h, [1.0] * 6, TypeError, "^out: must be a float16"),
+        (np.ones((2, 3), np.float16), h, ValueError, "^x: must be 1-D"),
+        (h, np.ones(12, np.float16)[::2], ValueError, "^out: must be 1-D and C-contiguous"),
+        (h, np.ones(5, np.float16), ValueError, "^out: length 5 does not match x"),
+        (h, ro, ValueError, "^out: array is read-only"),
+    ):
+        with pytest.raises(exc, match=match):
+            float16_allreduce(comm, x, out)
+    assert (h == 1).all()
+    assert comm.allreduce(comm.rank) == comm.size * (comm.size - 1) // 2
