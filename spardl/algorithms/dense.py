@@ -83,10 +83,10 @@ class Dense(Allreducer):
     nearest, ties to even); MPI's float16 ``Allreduce`` sums it (each addition rounds to
     float16, in the order MPI chooses; on the host :func:`spardl.comm.float16_allreduce`: a
     reduce-scatter with the same sum vectorised, where MPICH's wheels convert in software, and
-    an all-gather), and the sums are widened to
-    the gradient's dtype and scaled back by 2^-e. The scaling is exact; it keeps every sum below
-    65504, and every value of at least 2^-28·P·M out of float16's subnormal range, where
-    software float16 arithmetic runs several times slower. What it drops: the rounding of every
+    an all-gather), and the sums are widened to the gradient's dtype and scaled back by 2^-e.
+    The scaling is exact; it keeps every sum below 65504, and every value of at least
+    2^-28·P·M out of float16's subnormal range, where software float16 arithmetic runs
+    several times slower. What it drops: the rounding of every
     scaled g / s and of every partial sum to float16's 11 significant bits (fewer below
     2^-28·P·M), and values below about 2^-39·P·M, which round to zero; nothing of it is kept
     (no residual), so ``conserves`` is False. e follows M over the whole range of the

@@ -761,7 +761,7 @@ def sum_half(a, out):
     NaN operand or inf − inf gives float16's quiet NaN (sign kept, payload not). It is the
     reduction of the host 16-bit allreduce (:mod:`spardl.comm`), which MPI libraries that sum
     float16 in software run several times slower (docs/performance.md, "The 16-bit dense
-    allreduce").
+    allreduce's own sum").
     """
     a = as_array(a, "a")
     out = in_place(out, "out")
