@@ -763,18 +763,7 @@ def sum_half(a, out):
     float16 in software run several times slower (docs/performance.md, "The 16-bit dense
     allreduce's own sum").
     """
-    a = as_array(a, "a")
-    out = in_place(out, "out")
-    for name, v in (("a", a), ("out", out)):
-        _validate.require(
-            v.dtype in (np.float16, np.uint16),
-            name,
-            lambda v=v: f"must be float16 or uint16 (float16 bits), got {v.dtype}",
-            TypeError,
-        )
-        _validate.require(v.ndim == 1, name, lambda v=v: f"must be 1-D, got shape {v.shape}")
-    _validate.require(out.flags.writeable, "out", "array is read-only; sum_half writes into it")
-    _validate.check_same_length("out", out.shape[0], "a", a.shape[0])
+    a, out = _checked_pass(a, "a", True, out, "out", True)
     _sum_half_bits(a.view(np.uint16), out.view(np.uint16))
     return out
 
@@ -791,29 +780,27 @@ def _scale_from_half_bits(h, f, out):
         out[i] = _widen_half(np.int32(h[i])) * f
 
 
-def _half_pass_args(src, src_name, dst, dst_name, f, src_half):
-    """The checked arrays and float32 factor of :func:`scale_to_half` / :func:`scale_from_half`."""
+def _checked_pass(src, src_name, src_half, dst, dst_name, dst_half):
+    """``src`` and ``dst`` of a one-pass float16 kernel, checked: each float16 or uint16
+    (float16 bits) where its ``*_half`` is true, else float32; both 1-D, of one length; ``dst``
+    writeable. Errors name the argument."""
     src, dst = as_array(src, src_name), in_place(dst, dst_name)
-    half, single = (src, dst) if src_half else (dst, src)
-    half_name, single_name = (src_name, dst_name) if src_half else (dst_name, src_name)
-    _validate.require(
-        half.dtype in (np.float16, np.uint16),
-        half_name,
-        lambda: f"must be float16 or uint16 (float16 bits), got {half.dtype}",
-        TypeError,
-    )
-    _validate.require(
-        single.dtype == np.float32,
-        single_name,
-        lambda: f"must be float32, got {single.dtype}",
-        TypeError,
-    )
-    for name, v in ((src_name, src), (dst_name, dst)):
+    for name, v, half in ((src_name, src, src_half), (dst_name, dst, dst_half)):
+        if half:
+            ok, want = v.dtype in (np.float16, np.uint16), "float16 or uint16 (float16 bits)"
+        else:
+            ok, want = v.dtype == np.float32, "float32"
+        _validate.require(ok, name, lambda v=v, w=want: f"must be {w}, got {v.dtype}", TypeError)
         _validate.require(v.ndim == 1, name, lambda v=v: f"must be 1-D, got shape {v.shape}")
     _validate.require(dst.flags.writeable, dst_name, "array is read-only; the pass writes it")
     _validate.check_same_length(dst_name, dst.shape[0], src_name, src.shape[0])
-    f32 = _validate.check_divisor_in(f, np.dtype(np.float32), "f")
-    return src, dst, f32
+    return src, dst
+
+
+def _half_pass_args(src, src_name, dst, dst_name, f, src_half):
+    """The checked arrays and float32 factor of :func:`scale_to_half` / :func:`scale_from_half`."""
+    src, dst = _checked_pass(src, src_name, src_half, dst, dst_name, not src_half)
+    return src, dst, _validate.check_divisor_in(f, np.dtype(np.float32), "f")
 
 
 def scale_to_half(x, f, out):
