@@ -787,8 +787,8 @@ def float16_sum_op() -> MPI.Op:
         The same operation for every call in a process (``Op.Create`` is local, not
         collective), compiled before it is returned, for buffer calls (``Allreduce``,
         ``Reduce_scatter_block``, ...) on host float16 data (MPI's ``MPIX_C_FLOAT16``, mpi4py's
-        typecode ``"e"``) only. Given another datatype (one whose size or extent is not 2 bytes)
-        the callback raises, and mpi4py aborts the job rather than sum the wrong bytes.
+        typecode ``"e"``) only. Given another datatype (int16 included) the callback raises,
+        and mpi4py aborts the job rather than sum the wrong bytes.
 
     Notes
     -----
@@ -799,16 +799,34 @@ def float16_sum_op() -> MPI.Op:
     from spardl_kernels.cpu.arrays import sum_half
 
     sum_half(np.zeros(1, np.float16), np.zeros(1, np.float16))  # compiled here, not in MPI
+    half = MPI.Datatype.fromcode("e")
 
     def reduce(inbuf, inoutbuf, datatype) -> None:
-        if datatype.Get_size() != 2 or datatype.Get_extent()[1] != 2:
+        if not datatype == half:  # int16 or uint16 data would be summed as float16 bits
             raise TypeError(f"float16_sum_op: datatype {datatype.Get_name()} is not float16")
         sum_half(np.frombuffer(inbuf, np.uint16), np.frombuffer(inoutbuf, np.uint16))
 
     return MPI.Op.Create(reduce, commute=True)
 
 
-def float16_allreduce(comm, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+def _float16_buffer_error(x, out) -> Exception | None:
+    """What is wrong with :func:`float16_allreduce`'s buffers on this rank, or None."""
+    for name, v in (("x", x), ("out", out)):
+        if not isinstance(v, np.ndarray) or v.dtype != np.float16:
+            return TypeError(
+                f"{name}: must be a float16 NumPy array, got "
+                f"{getattr(v, 'dtype', type(v).__name__)}"
+            )
+        if v.ndim != 1 or not v.flags.c_contiguous:
+            return ValueError(f"{name}: must be 1-D and C-contiguous, got shape {v.shape}")
+    if out.shape != x.shape:
+        return ValueError(f"out: length {out.shape[0]} does not match x (length {x.shape[0]})")
+    if not out.flags.writeable:
+        return ValueError("out: array is read-only; float16_allreduce writes the sums into it")
+    return None
+
+
+def float16_allreduce(comm, x: np.ndarray, out: np.ndarray, *, check: bool = True) -> np.ndarray:
     """The 16-bit allreduce: ``out`` = the float16 sum over the ranks of ``x``, as a
     reduce-scatter and an all-gather, each rank sending about 2·n·(P−1)/P values.
 
@@ -820,11 +838,20 @@ def float16_allreduce(comm, x: np.ndarray, out: np.ndarray) -> np.ndarray:
 
     Parameters
     ----------
-    comm : mpi4py.MPI.Intracomm (or a proxy with its methods)
+    comm : mpi4py.MPI.Intracomm or Comm
+        Every rank calls this on it. A :class:`Comm`'s message counters are not updated
+        (:meth:`Comm.allreduce` counts them).
     x : ndarray of shape (n,), float16, C-contiguous, host memory
         This rank's values (the same n on every rank).
     out : ndarray of shape (n,), float16, C-contiguous, host memory
         Receives the sums; may be ``x`` itself (in place).
+    check : bool, default True
+        Agree before the data (one MAX allreduce of three int64) that every rank's buffers are
+        valid and n is the same on every rank, so that a bad argument on one rank raises on
+        every rank instead of leaving the others waiting (or, for another n with the same
+        ⌈n/P⌉, summing misaligned data). ``False`` spares that message, as MPI's own
+        collectives do: the caller vouches for every rank's arguments, and a bad one raises
+        on its own rank only.
 
     Returns
     -------
@@ -834,29 +861,36 @@ def float16_allreduce(comm, x: np.ndarray, out: np.ndarray) -> np.ndarray:
     Raises
     ------
     TypeError
-        x or out not a float16 NumPy array.
+        comm not a communicator; x or out not a float16 NumPy array.
     ValueError
-        x or out not 1-D and C-contiguous, out read-only or of another length than x. Checked
-        before any message, on the rank given the bad argument.
+        x or out not 1-D and C-contiguous, out read-only or of another length than x; with
+        ``check``, n not the same on every rank. With ``check`` raised on every rank (the
+        ranks whose own buffers are valid name the first failing rank and its message),
+        before any data is sent; without it on the rank given the bad argument.
 
     Notes
     -----
     Each addition rounds to float16 (nearest, ties to even), in the order MPI's reduce-scatter
-    chooses, as MPI's own float16 sum does. n must be the same on every rank, as for MPI's own
-    collectives (not checked: that would cost a message).
+    chooses, as MPI's own float16 sum does; a NaN sum is float16's quiet NaN 0x7E00
+    (:func:`spardl_kernels.cpu.arrays.sum_half`).
     """
-    for name, v in (("x", x), ("out", out)):
-        if not isinstance(v, np.ndarray) or v.dtype != np.float16:
-            raise TypeError(
-                f"{name}: must be a float16 NumPy array, got "
-                f"{getattr(v, 'dtype', type(v).__name__)}"
-            )
-        if v.ndim != 1 or not v.flags.c_contiguous:
-            raise ValueError(f"{name}: must be 1-D and C-contiguous, got shape {v.shape}")
-    if out.shape != x.shape:
-        raise ValueError(f"out: length {out.shape[0]} does not match x (length {x.shape[0]})")
-    if not out.flags.writeable:
-        raise ValueError("out: array is read-only; float16_allreduce writes the sums into it")
+    check_bool("check", check)
+    if not callable(getattr(comm, "Reduce_scatter_block", None)) and not isinstance(comm, Comm):
+        raise TypeError(
+            f"comm: must be an mpi4py intracommunicator or a spardl.comm.Comm, "
+            f"got {type(comm).__name__}"
+        )
+    err = _float16_buffer_error(x, out)
+    if check:
+        from spardl.algorithms.base import collective_check
+
+        c = comm if isinstance(comm, Comm) else Comm(comm, dup=False)
+        n = x.shape[0] if err is None else -1
+        collective_check(c, err, [n], {"length of x": n})
+    elif err is not None:
+        raise err
+    if isinstance(comm, Comm):
+        comm = comm._clocked
     P, n = comm.Get_size(), x.shape[0]
     if P == 1:
         if out is not x:
@@ -875,6 +909,21 @@ def float16_allreduce(comm, x: np.ndarray, out: np.ndarray) -> np.ndarray:
     comm.Allgather(block, full)  # x is no longer read: out may be x
     if not whole:
         out[...] = full[:n]
+    return out
+
+
+def _checked_out(out, x: np.ndarray) -> np.ndarray:
+    """``out``, a host result buffer for ``x`` (:meth:`Comm.allreduce`), checked: an ndarray
+    of x's dtype and shape, C-contiguous and writeable; errors name ``out``."""
+    if not isinstance(out, np.ndarray) or out.dtype != x.dtype:
+        raise TypeError(
+            f"out: must be a NumPy array of x's dtype {x.dtype}, got "
+            f"{getattr(out, 'dtype', type(out).__name__)}"
+        )
+    if out.shape != x.shape or not out.flags.c_contiguous:
+        raise ValueError(f"out: must be C-contiguous of x's shape {x.shape}, got {out.shape}")
+    if not out.flags.writeable:
+        raise ValueError("out: array is read-only; allreduce writes the result into it")
     return out
 
 
@@ -1361,8 +1410,11 @@ class Comm:
 
         Raises
         ------
+        TypeError
+            A host ``out`` not an ndarray of ``x``'s dtype (before any message).
         ValueError
-            If ``op`` is not one of the three (before any message).
+            If ``op`` is not one of the three, or a host ``out`` not C-contiguous of ``x``'s
+            shape or read-only (before any message).
         """
         mpi_op = _mpi_op(op)
         device = A.is_device(x)
@@ -1377,10 +1429,12 @@ class Comm:
             send, recv = MPI.IN_PLACE, x
         else:
             send = x = np.ascontiguousarray(x)
-            recv = np.empty_like(x) if out is None else out
+            recv = np.empty_like(x) if out is None else _checked_out(out, x)
         if mpi_op is MPI.SUM and isinstance(recv, np.ndarray) and recv.dtype == np.float16:
             # A host float16 sum: vectorised, not the library's software one.
-            float16_allreduce(self._clocked, recv if send is MPI.IN_PLACE else send, recv)
+            flat = recv.reshape(-1)
+            src = flat if send is MPI.IN_PLACE else send.reshape(-1)
+            float16_allreduce(self._clocked, src, flat, check=False)
         else:
             self._clocked.Allreduce(_mpi_buffer(send), _mpi_buffer(recv), op=mpi_op)
         out = self._wire_result(recv, device)

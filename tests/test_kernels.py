@@ -1346,6 +1346,10 @@ def test_sum_half_is_the_float16_sum_rounded_once():
         nan = np.isnan(want)
         np.testing.assert_array_equal(np.isnan(got), nan, err_msg=hex(b))
         assert_same_bits(got[~nan], want[~nan])
+        assert (out[nan] == 0x7E00).all(), hex(b)  # every NaN sum: the positive quiet NaN
+        swapped = a_bits.copy()  # b + a: the same bits (MPI's commutative operation)
+        host_arrays.sum_half(np.full(65536, b, np.uint16), swapped)
+        np.testing.assert_array_equal(swapped, out, err_msg=hex(b))
     x, y = np.array([1.0, 65504.0, -0.0], np.float16), np.array([2**-11, 16.0, 0.0], np.float16)
     assert host_arrays.sum_half(x, y) is y
     assert y.tolist() == [1.0, np.inf, 0.0] and not np.signbit(y[2])  # ties to even, overflow
@@ -1359,6 +1363,28 @@ def test_sum_half_is_the_float16_sum_rounded_once():
     twice = a.astype(np.float64) * 2
     host_arrays.sum_half(a, a)
     assert_same_bits(a, twice.astype(np.float16))
+
+
+def test_half_passes_read_overlapping_arguments_as_given():
+    """``sum_half``, ``scale_to_half`` and ``scale_from_half`` on arguments that share memory
+    other than entry for entry (shifted views, a float16 view of the float32 output): the
+    results NumPy gives for the same overlap, which reads the arguments as they were."""
+    rng = np.random.default_rng(7)
+    base = rng.standard_normal(9).astype(np.float16)
+    for a_sl, out_sl in ((slice(0, -1), slice(1, None)), (slice(1, None), slice(0, -1))):
+        o = base.copy()
+        want = (o[a_sl].astype(np.float64) + o[out_sl].astype(np.float64)).astype(np.float16)
+        host_arrays.sum_half(o[a_sl], o[out_sl])
+        assert_same_bits(o[out_sl], want)
+    buf = np.arange(1, 9, dtype=np.float32)  # h: the first 8 float16 in buf's 32 bytes
+    buf.view(np.float16)[:8] = np.arange(1, 9)
+    want = buf.view(np.float16)[:8].astype(np.float32) * 2
+    host_arrays.scale_from_half(buf.view(np.float16)[:8], 2.0, buf)
+    assert_same_bits(buf, want)
+    x = rng.standard_normal(8).astype(np.float32)
+    want = (x[1:] * np.float32(0.5)).astype(np.float16)
+    host_arrays.scale_to_half(x[1:], 0.5, x.view(np.float16)[4:11])
+    assert_same_bits(x.view(np.float16)[4:11], want)
 
 
 def test_sum_half_rejects_bad_arguments():

@@ -728,7 +728,11 @@ def _narrow_half(f):
 def _sum_half_bits(a, out):
     for i in range(a.shape[0]):
         s = _widen_half(np.int32(a[i])) + _widen_half(np.int32(out[i]))
-        out[i] = np.uint16(_narrow_half(s))
+        o = _narrow_half(s)
+        # Every NaN sum is the positive quiet NaN, whichever operand was NaN (or inf − inf,
+        # whose NaN the CPU signs): the sum is commutative bit for bit, as an MPI operation
+        # declared commutative must be for every rank to get the same bits.
+        out[i] = np.uint16(0x7E00 if (o & 0x7FFF) > 0x7C00 else o)
 
 
 def sum_half(a, out):
@@ -757,8 +761,10 @@ def sum_half(a, out):
     Each sum is IEEE 754 binary16 addition, rounded to nearest, ties to even, as the sum of
     the two values widened to float32 and rounded once to float16: float32 holds
     24 ≥ 2·11 + 2 bits, so its rounding before the final one cannot change it (the sum is the
-    correctly rounded float16 sum of a and out). A sum of magnitude 65520 or more is ±inf, a
-    NaN operand or inf − inf gives float16's quiet NaN (sign kept, payload not). It is the
+    correctly rounded float16 sum of a and out). A sum of magnitude 65520 or more is ±inf; a
+    NaN operand or inf − inf gives float16's positive quiet NaN 0x7E00 (sign and payload not
+    kept), so that the sum is commutative bit for bit. ``a`` may be ``out`` itself; arrays that
+    overlap otherwise are summed as given (``a`` is copied first). It is the
     reduction of the host 16-bit allreduce (:mod:`spardl.comm`), which MPI libraries that sum
     float16 in software run several times slower (docs/performance.md, "The 16-bit dense
     allreduce's own sum").
@@ -794,7 +800,19 @@ def _checked_pass(src, src_name, src_half, dst, dst_name, dst_half):
         _validate.require(v.ndim == 1, name, lambda v=v: f"must be 1-D, got shape {v.shape}")
     _validate.require(dst.flags.writeable, dst_name, "array is read-only; the pass writes it")
     _validate.check_same_length(dst_name, dst.shape[0], src_name, src.shape[0])
+    if np.shares_memory(src, dst) and not _same_elements(src, dst):
+        src = src.copy()  # the pass runs forward: it would read entries it has overwritten
     return src, dst
+
+
+def _same_elements(a, b) -> bool:
+    """Whether ``a`` and ``b`` are views of the same memory, element for element (entry i of
+    each at one address, of one size), so that a pass reading a[i] then writing b[i] is safe."""
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.strides == b.strides
+        and a.itemsize == b.itemsize
+    )
 
 
 def _half_pass_args(src, src_name, dst, dst_name, f, src_half):
@@ -830,9 +848,10 @@ def scale_to_half(x, f, out):
     -----
     The bits of NumPy's ``np.multiply(x, float32(f), out=out, casting="same_kind")`` for every
     number: the float32 product, rounded once to nearest float16 (ties to even), ±inf from
-    65520 up; a NaN becomes float16's quiet NaN of its sign (its payload is not kept). The
-    16-bit dense allreduce's step before MPI's sum (:mod:`spardl.algorithms.dense`), where
-    NumPy's own conversion runs element by element.
+    65520 up; a NaN becomes float16's quiet NaN of its sign (its payload is not kept). Where
+    ``x`` and ``out`` overlap, ``x`` is copied first. The 16-bit dense allreduce's step before
+    MPI's sum (:mod:`spardl.algorithms.dense`), where NumPy's own conversion runs element by
+    element.
     """
     x, out, f32 = _half_pass_args(x, "x", out, "out", f, src_half=False)
     _scale_to_half_bits(x, f32, out.view(np.uint16))
@@ -864,8 +883,8 @@ def scale_from_half(h, f, out):
     Notes
     -----
     The bits of NumPy's ``np.multiply(h, float32(f), out=out)`` for every number (one float32
-    multiplication of the exact value); a NaN stays a NaN. The 16-bit dense allreduce's step
-    after MPI's sum.
+    multiplication of the exact value); a NaN stays a NaN. Where ``h`` and ``out`` overlap,
+    ``h`` is copied first. The 16-bit dense allreduce's step after MPI's sum.
     """
     h, out, f32 = _half_pass_args(h, "h", out, "out", f, src_half=True)
     _scale_from_half_bits(h.view(np.uint16), f32, out)

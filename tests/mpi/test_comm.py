@@ -182,7 +182,9 @@ def test_a_float16_sum_is_mpis_own_reduce_scatter_and_all_gather(comm, monkeypat
     assert spardl.comm.float16_sum_op() is op
     calls = []
     real = spardl.comm.float16_allreduce
-    monkeypatch.setattr(spardl.comm, "float16_allreduce", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        spardl.comm, "float16_allreduce", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     assert c.allreduce(np.ones(3, np.float32), "sum").tolist() == [P] * 3 and not calls
     rng = np.random.default_rng(100 + r)
     for n, scale in ((1, 1.0), (7, 1e-6), (1001, 1.0), (40003, 3e3), (40004, 1e-5)):
@@ -207,9 +209,10 @@ def test_a_float16_sum_is_mpis_own_reduce_scatter_and_all_gather(comm, monkeypat
     c.free()
 
 
-def test_float16_allreduce_refuses_bad_buffers_before_any_message(comm):
-    """Every rank given the same bad buffer raises the same error naming it, before any
-    message (the next collective still matches); nothing is written."""
+def test_float16_allreduce_refuses_bad_buffers_before_any_data(comm):
+    """Every rank given the same bad buffer raises the same error naming it, before any data
+    (the next collective still matches); nothing is written. Without ``check`` it raises
+    before any message at all."""
     import pytest
 
     from spardl.comm import float16_allreduce
@@ -225,7 +228,69 @@ def test_float16_allreduce_refuses_bad_buffers_before_any_message(comm):
         (h, np.ones(5, np.float16), ValueError, "^out: length 5 does not match x"),
         (h, ro, ValueError, "^out: array is read-only"),
     ):
-        with pytest.raises(exc, match=match):
-            float16_allreduce(comm, x, out)
+        for check in (True, False):
+            with pytest.raises(exc, match=match):
+                float16_allreduce(comm, x, out, check=check)
     assert (h == 1).all()
     assert comm.allreduce(comm.rank) == comm.size * (comm.size - 1) // 2
+
+
+def test_float16_allreduce_raises_on_every_rank_for_one_ranks_bad_argument(comm):
+    """A bad buffer, or another n, on the last rank only: every rank raises (the last rank its
+    own error, the others one naming it) instead of waiting in the reduce-scatter or summing
+    misaligned blocks; nothing is written and the next call works. A spardl ``Comm`` is taken
+    as the communicator; anything else raises a TypeError naming ``comm``."""
+    import pytest
+
+    from spardl.comm import float16_allreduce
+
+    P, last = comm.size, comm.rank == comm.size - 1
+    h = lambda n=6: np.ones(n, np.float16)  # noqa: E731
+    ro = h()
+    ro.flags.writeable = False
+    cases = [
+        ((np.ones(6, np.float32), h()), TypeError, "x: must be a float16"),
+        ((h(), ro), ValueError, "out: array is read-only"),
+        ((h(), h(5)), ValueError, "out: length 5"),
+    ]
+    if P > 1:  # n = 5 against 6: the same ⌈n/P⌉ blocks from P = 6 up, misaligned sums before
+        cases.append(((h(5), h(5)), ValueError, "ranks disagree on length of x"))
+    for bad, exc, match in cases:
+        x, out = bad if last else (h(), h())
+        with pytest.raises(exc, match=match):
+            float16_allreduce(comm, x, out)
+        assert (out == 1).all()  # nothing written, on any rank
+    c = Comm(comm)
+    for cm in (comm, c):
+        assert float16_allreduce(cm, h(), out := h()) is out and (out == P).all()
+    for bad_comm in (None, "world", object()):
+        with pytest.raises(TypeError, match="^comm: must be an mpi4py intracommunicator"):
+            float16_allreduce(bad_comm, h(), h())
+    c.free()
+
+
+def test_comm_allreduce_names_a_bad_out(comm):
+    """``Comm.allreduce``'s host ``out`` of another dtype, shape or layout, or read-only: an
+    error naming ``out`` before any message (float16 and float32 alike); a 2-D float16 ``x``
+    is summed like a 2-D float32 one."""
+    import pytest
+
+    c = Comm(comm)
+    for dtype in (np.float16, np.float32):
+        x = np.ones(4, dtype)
+        other = np.float32 if dtype == np.float16 else np.float16
+        ro = np.ones(4, dtype)
+        ro.flags.writeable = False
+        for out, exc, match in (
+            (np.ones(4, other), TypeError, "^out: must be a NumPy array of x's dtype"),
+            ([1.0] * 4, TypeError, "^out: must be a NumPy array"),
+            (np.ones(5, dtype), ValueError, "^out: must be C-contiguous of x's shape"),
+            (np.ones(8, dtype)[::2], ValueError, "^out: must be C-contiguous"),
+            (ro, ValueError, "^out: array is read-only"),
+        ):
+            with pytest.raises(exc, match=match):
+                c.allreduce(x, "sum", out=out)
+        got = c.allreduce(np.ones((2, 3), dtype), "sum")
+        assert got.shape == (2, 3) and got.dtype == dtype and (got == c.size).all()
+    assert comm.allreduce(1) == c.size  # no rank left a message behind
+    c.free()
