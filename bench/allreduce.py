@@ -217,10 +217,11 @@ def measure_raw(comm, send, warmup, repeat, peer=None, op=None):
     :func:`measure` times an allreducer; bytes and messages as spardl counts a dense allreduce
     (one message, 2·m·(P−1)/P bytes for m bytes; nothing at P = 1). ``op`` None: MPI.SUM, and
     for float16 ``spardl.comm.float16_allreduce`` (MPI's reduce-scatter with a vectorised
-    float16 sum, then its all-gather) in place of ``Allreduce``."""
+    float16 sum, then its all-gather) in place of ``Allreduce``, with ``check=False``: no
+    agreement message, as MPI's own call sends none."""
     recv = np.empty_like(send)
     if op is None and send.dtype == np.float16:
-        call = lambda: float16_allreduce(comm, send, recv)  # noqa: E731
+        call = lambda: float16_allreduce(comm, send, recv, check=False)  # noqa: E731
     else:
         op = MPI.SUM if op is None else op
         call = lambda: comm.Allreduce(send, recv, op=op)  # noqa: E731
@@ -291,7 +292,7 @@ def _measure_peers(comm, a, g, results):
     # Every later row times this same call right before each of its own (the paired ratio).
     peer_out = np.empty_like(g)
     if g.dtype == np.float16:
-        peer = (lambda: float16_allreduce(comm, g, peer_out), raw[3])
+        peer = (lambda: float16_allreduce(comm, g, peer_out, check=False), raw[3])
     else:
         peer = (lambda: comm.Allreduce(g, peer_out, op=MPI.SUM), raw[3])
     raw16, g16 = raw, g
