@@ -846,12 +846,12 @@ def float16_allreduce(comm, x: np.ndarray, out: np.ndarray, *, check: bool = Tru
     out : ndarray of shape (n,), float16, C-contiguous, host memory
         Receives the sums; may be ``x`` itself (in place).
     check : bool, default True
-        Agree before the data (one MAX allreduce of three int64) that every rank's buffers are
-        valid and n is the same on every rank, so that a bad argument on one rank raises on
-        every rank instead of leaving the others waiting (or, for another n with the same
-        ⌈n/P⌉, summing misaligned data). ``False`` spares that message, as MPI's own
-        collectives do: the caller vouches for every rank's arguments, and a bad one raises
-        on its own rank only.
+        Agree before the data (one MAX allreduce of 15 int64, the allreducers' agreement)
+        that every rank's buffers are valid and n is the same on every rank, so that a bad
+        argument on one rank raises on every rank instead of leaving the others waiting (or,
+        for another n with the same ⌈n/P⌉, summing misaligned data). ``False`` spares that
+        message, as MPI's own collectives do: the caller vouches for every rank's arguments,
+        and a bad one raises on its own rank only.
 
     Returns
     -------
