@@ -839,14 +839,14 @@ def float16_allreduce(comm, x: np.ndarray, out: np.ndarray, *, check: bool = Tru
     Parameters
     ----------
     comm : mpi4py.MPI.Intracomm or Comm
-        Every rank calls this on it. A :class:`Comm`'s message counters are not updated
-        (:meth:`Comm.allreduce` counts them).
+        Every rank calls this on it. A :class:`Comm` counts the agreement as a control
+        message, not the data (:meth:`Comm.allreduce` counts that).
     x : ndarray of shape (n,), float16, C-contiguous, host memory
         This rank's values (the same n on every rank).
     out : ndarray of shape (n,), float16, C-contiguous, host memory
         Receives the sums; may be ``x`` itself (in place).
     check : bool, default True
-        Agree before the data (one MAX allreduce of 15 int64, the allreducers' agreement)
+        Agree before the data (one MAX allreduce of three int64, :meth:`Comm.agree_fields`)
         that every rank's buffers are valid and n is the same on every rank, so that a bad
         argument on one rank raises on every rank instead of leaving the others waiting (or,
         for another n with the same ⌈n/P⌉, summing misaligned data). ``False`` spares that
@@ -882,11 +882,19 @@ def float16_allreduce(comm, x: np.ndarray, out: np.ndarray, *, check: bool = Tru
         )
     err = _float16_buffer_error(x, out)
     if check:
-        from spardl.algorithms.base import collective_check
-
         c = comm if isinstance(comm, Comm) else Comm(comm, dup=False)
         n = x.shape[0] if err is None else -1
-        collective_check(c, err, [n], {"length of x": n})
+        ok, same = c.agree_fields(err is None, [n])
+        if not ok:  # one all-gather, on failure only: every rank learns the first failing one
+            bad = c.allgather_object(None if err is None else (type(err).__name__, str(err)))
+            if err is not None:
+                raise err
+            r, (kind, msg) = next((r, b) for r, b in enumerate(bad) if b is not None)
+            exc = TypeError if kind == "TypeError" else ValueError
+            raise exc(f"rank {r} rejected its arguments ({kind}: {msg})")
+        if not same:
+            lengths = c.allgather_object(n)
+            raise ValueError(f"x: length differs across ranks (rank r's at index r): {lengths}")
     elif err is not None:
         raise err
     if isinstance(comm, Comm):
